@@ -1,0 +1,3 @@
+from dflash_queue.cli import main
+
+main()

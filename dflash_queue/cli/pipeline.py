@@ -1,0 +1,82 @@
+"""Commands that move work: enqueue, worker, run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dflash_queue.cli.common import config_option, load
+from dflash_queue.errors import ConfigError
+
+datasets_argument = click.argument(
+    "datasets", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
+)
+
+
+@click.command()
+@datasets_argument
+@config_option
+def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
+    """Stage DATASETS as prompt shards and enqueue one generate task per shard not already done or queued."""
+    from dflash_queue.ledger import Ledger
+    from dflash_queue.producer import Producer
+    from dflash_queue.queue.app import configure_app
+
+    config = load(config_path)
+    try:
+        configure_app(config)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    console = Console(stderr=True)
+    ledger = Ledger.from_url(config.broker.url, config.run.name)
+    with Progress(TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("samples", total=None)
+        report = Producer(config, ledger).enqueue(list(datasets), on_shard=lambda n: bar.advance(task, n))
+    for line in report.lines():
+        click.echo(line)
+
+
+@click.command()
+@click.argument("lane", type=click.Choice(["generate", "extract"]))
+@config_option
+@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Tasks in flight.")
+@click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
+@click.option("-l", "--loglevel", default="INFO", show_default=True)
+def worker(lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str) -> None:
+    """Run a LANE worker: load the engine once, then consume the lane's queue until stopped (SIGTERM)."""
+    from dflash_queue.queue.worker import run_worker
+
+    config = load(config_path)
+    if not config.broker.url:
+        raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
+    run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
+
+
+@click.command()
+@datasets_argument
+@config_option
+@click.option("-o", "--output", default=None, help="Storage for this run (directory or URL); overrides storage.url.")
+def run(datasets: tuple[Path, ...], config_path: Path, output: str | None) -> None:
+    """Run the whole job on this machine: broker, one worker per lane, enqueue, wait, summary."""
+    from dflash_queue.runner import RunFailed, run_single_box
+
+    config = load(config_path, storage_url=output)
+    console = Console(stderr=True)
+    try:
+        summary = run_single_box(config_path, config, list(datasets), console=console)
+    except RunFailed as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        console.print("interrupted: workers and broker stopped; queued work is kept for the next run")
+        sys.exit(130)
+    for line in summary.lines():
+        click.echo(line)
+    if summary.shards_failed:
+        sys.exit(1)
+
+
+COMMANDS = [enqueue, worker, run]

@@ -1,0 +1,243 @@
+"""Deployment configuration: one TOML file, loaded into frozen, validated objects.
+
+Every section forbids unknown keys and checks types strictly, so a typo fails at load with the file and the
+dotted key in the message instead of silently falling back to a default hours into a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from dflash_queue.errors import ConfigError
+
+BROKER_URL_ENV = "DFQ_BROKER_URL"
+STORAGE_URL_ENV = "DFQ_STORAGE_URL"
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+def _array_to_tuple(value: Any) -> Any:
+    # TOML arrays load as lists; the frozen config keeps tuples.
+    return tuple(value) if isinstance(value, list) else value
+
+
+StrTuple = Annotated[tuple[str, ...], BeforeValidator(_array_to_tuple)]
+LayerIds = Annotated[tuple[Annotated[int, Field(ge=0)], ...], BeforeValidator(_array_to_tuple)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class RunConfig(_Section):
+    # Namespaces every Redis key of this deployment, so two runs can share one Redis database.
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")] = "dfq"
+    # Private broker data (AOF), staging files and logs of `dflash-queue run`.
+    state_dir: str = ".dfq-state"
+
+
+class BrokerConfig(_Section):
+    # Empty: `dflash-queue run` starts a private redis-server; workers need a URL.
+    url: str = ""
+    # Redis has no lease a running task can extend: an unacked message older than this is handed to another
+    # worker. It must exceed the longest task.
+    visibility_timeout_s: PositiveInt = 4 * 3600
+    task_timeout_s: PositiveInt = 2 * 3600
+
+    @model_validator(mode="after")
+    def _visibility_exceeds_longest_task(self) -> BrokerConfig:
+        if self.visibility_timeout_s <= self.task_timeout_s:
+            raise ValueError(
+                f"visibility_timeout_s ({self.visibility_timeout_s}) must exceed task_timeout_s "
+                f"({self.task_timeout_s}), or running tasks are re-delivered to other workers"
+            )
+        if self.url and not self.url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
+            raise ValueError(f"url must be a redis:// or rediss:// URL, got {self.url!r}")
+        return self
+
+
+class StorageConfig(_Section):
+    # A local directory (relative paths resolve against the config file) or s3://bucket/prefix.
+    url: Annotated[str, Field(min_length=1)]
+
+
+class ModelConfig(_Section):
+    path: Annotated[str, Field(min_length=1)]
+    tokenizer: str = ""
+    # Recorded in every shard's metadata; defaults to the model directory's name.
+    name: str = ""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(self.path).name
+
+
+class DatasetConfig(_Section):
+    shard_size: PositiveInt = 256
+    thinking: Literal["always", "never"] = "always"
+    # A JSONL line longer than this is reported and skipped rather than parsed.
+    max_record_bytes: PositiveInt = 4 * 1024 * 1024
+
+
+class SamplingConfig(_Section):
+    temperature: Annotated[float, Field(ge=0)] = 0.6
+    top_p: Annotated[float, Field(gt=0, le=1)] = 0.95
+    top_k: Annotated[int, Field(ge=-1)] = 20
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    max_tokens: PositiveInt = 4096
+    repetition_penalty: PositiveFloat = 1.0
+    stop: StrTuple = ()
+    seed: int = 0
+
+
+class GenerateConfig(_Section):
+    engine: Literal["transformers"] = "transformers"
+    # Sequences per engine call for the Transformers engine.
+    batch_size: PositiveInt = 8
+    sampling: SamplingConfig = SamplingConfig()
+
+
+class ExtractConfig(_Section):
+    # K: the number of drafter layers the hidden states condition; picks the default layer ids.
+    num_draft_layers: PositiveInt = 5
+    # Explicit decoder-layer ids (output of layer i); when set they win over the DFlash default.
+    layer_ids: LayerIds = ()
+    # Padded tokens per forward pass.
+    token_budget: PositiveInt = 16384
+    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+
+    @model_validator(mode="after")
+    def _layer_ids_distinct(self) -> ExtractConfig:
+        if len(set(self.layer_ids)) != len(self.layer_ids):
+            raise ValueError(f"layer_ids must be distinct, got {list(self.layer_ids)}")
+        return self
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    broker: BrokerConfig = BrokerConfig()
+    storage: StorageConfig
+    model: ModelConfig
+    dataset: DatasetConfig = DatasetConfig()
+    generate: GenerateConfig = GenerateConfig()
+    extract: ExtractConfig = ExtractConfig()
+
+    # Where the config came from; not a TOML key.
+    source: str = Field(default="<memory>", exclude=True)
+
+    def fingerprint(self) -> str:
+        """A short hash of everything that changes what a task writes.
+
+        Workers refuse messages whose fingerprint differs from their own, so a node started with another
+        model or other sampling settings cannot mix its output into the run. Paths and URLs are left out:
+        they differ between nodes of one run.
+        """
+        payload = {
+            "model": {"name": self.model.display_name, "config": _model_config_digest(self.model.path)},
+            "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes"}),
+            "sampling": self.generate.sampling.model_dump(mode="json"),
+            "extract": {
+                "layer_ids": list(self.extract.layer_ids),
+                "num_draft_layers": self.extract.num_draft_layers,
+                "hidden_dtype": self.extract.hidden_dtype,
+            },
+        }
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_overrides(self, **sections: dict[str, Any]) -> Config:
+        """A copy with some keys replaced, validated like a loaded file."""
+        data = self.model_dump(mode="python")
+        for section, values in sections.items():
+            data[section] = {**data[section], **values}
+        return _validate(data, self.source, check_paths=False)
+
+
+def _model_config_digest(model_path: str) -> str:
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return "missing"
+    return hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+
+
+def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> Config:
+    """Load and validate a deployment config; relative paths resolve against the file's directory."""
+    path = Path(path)
+    env = os.environ if env is None else env
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+    if env.get(BROKER_URL_ENV):
+        raw.setdefault("broker", {})["url"] = env[BROKER_URL_ENV]
+    if env.get(STORAGE_URL_ENV):
+        raw.setdefault("storage", {})["url"] = env[STORAGE_URL_ENV]
+    _resolve_paths(raw, base=path.resolve().parent)
+    return _validate(raw, str(path), check_paths=True)
+
+
+def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
+    def resolve(section: str, key: str, *, url: bool = False) -> None:
+        table = raw.get(section)
+        if not isinstance(table, dict):
+            return
+        value = table.get(key)
+        if not isinstance(value, str) or not value:
+            return
+        if url and "://" in value:
+            return
+        table[key] = str((base / Path(value).expanduser()).resolve())
+
+    resolve("model", "path")
+    resolve("model", "tokenizer")
+    resolve("storage", "url", url=True)
+    resolve("run", "state_dir")
+
+
+def _validate(raw: dict[str, Any], source: str, *, check_paths: bool) -> Config:
+    try:
+        config = Config.model_validate({**raw, "source": source})
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+    if check_paths:
+        _check_model_paths(config)
+    return config
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "<top level>"
+        message = error["msg"]
+        if error["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif error["type"] == "missing":
+            message = "required key is missing"
+        elif "input" in error and error["type"] not in {"value_error", "assertion_error"}:
+            message = f"{message} (got {error['input']!r})"
+        lines.append(f"  {key}: {message}")
+    return "\n".join(lines)
+
+
+def _check_model_paths(config: Config) -> None:
+    for key, value in (("model.path", config.model.path), ("model.tokenizer", config.model.tokenizer)):
+        if value and not Path(value).exists():
+            raise ConfigError(f"{config.source}: invalid configuration\n  {key}: no such path: {value}")

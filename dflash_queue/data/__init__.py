@@ -1,0 +1,1 @@
+"""Reading prompt datasets into samples."""

@@ -1,0 +1,1 @@
+"""Model engines: generation (regenerate replies) and extraction (capture hidden states)."""

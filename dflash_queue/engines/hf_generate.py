@@ -1,0 +1,124 @@
+"""Generation with Transformers `generate`: simple and exact, for CPUs, tests and small jobs.
+
+Batches are length-sorted and left-padded; a batch waits for its slowest sequence, which is why large jobs
+use the vLLM engine instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_queue.config import Config, SamplingConfig
+from dflash_queue.engines.base import Generation, GenerationRequest
+from dflash_queue.engines.devices import resolve_device, resolve_dtype
+
+
+class TransformersGenerateEngine:
+    name = "transformers"
+
+    def __init__(self, config: Config) -> None:
+        self.sampling: SamplingConfig = config.generate.sampling
+        self.batch_size = config.generate.batch_size
+        self.device = resolve_device(config.model.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model.path, dtype=resolve_dtype(config.model.dtype, self.device)
+        ).to(self.device)
+        self.model.eval()
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        results: dict[int, Generation] = {}
+        # Length-sorted batches waste less on padding; each budget group runs separately.
+        order = sorted(
+            range(len(requests)),
+            key=lambda i: (self._budget(requests[i]), len(requests[i].prompt_ids)),
+        )
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            budgets = {self._budget(requests[i]) for i in chunk}
+            for budget in sorted(budgets):
+                group = [i for i in chunk if self._budget(requests[i]) == budget]
+                for index, generation in zip(group, self._generate_batch([requests[i] for i in group], budget)):
+                    results[index] = generation
+        return [results[i] for i in range(len(requests))]
+
+    def close(self) -> None:
+        del self.model
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _budget(self, request: GenerationRequest) -> int:
+        return request.max_tokens or self.sampling.max_tokens
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[GenerationRequest], max_new_tokens: int) -> list[Generation]:
+        width = max(len(r.prompt_ids) for r in batch)
+        input_ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, request in enumerate(batch):
+            ids = torch.tensor(request.prompt_ids, dtype=torch.long)
+            input_ids[row, width - len(ids) :] = ids
+            attention[row, width - len(ids) :] = 1
+        # Seeded from the samples, so a re-delivered task regenerates the same replies.
+        torch.manual_seed(_batch_seed(self.sampling.seed, batch))
+        sampling = self.sampling
+        do_sample = sampling.temperature > 0
+        output = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=sampling.temperature if do_sample else None,
+            top_p=sampling.top_p if do_sample else None,
+            top_k=(sampling.top_k if sampling.top_k > 0 else None) if do_sample else None,
+            min_p=(sampling.min_p or None) if do_sample else None,
+            repetition_penalty=sampling.repetition_penalty,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.pad_id,
+            stop_strings=list(sampling.stop) or None,
+            tokenizer=self.tokenizer if sampling.stop else None,
+        )
+        new_tokens = output[:, width:].tolist()
+        return [self._finish(request, tokens, max_new_tokens) for request, tokens in zip(batch, new_tokens)]
+
+    def _finish(self, request: GenerationRequest, tokens: list[int], budget: int) -> Generation:
+        completion: list[int] = []
+        finish_reason = "length"
+        for token in tokens:
+            completion.append(token)
+            if token in self.eos_ids:
+                finish_reason = "stop"
+                break
+        if finish_reason == "length" and len(completion) < budget:
+            # Ended early without an end-of-sequence token: a stop string matched; drop trailing padding.
+            finish_reason = "stop"
+            while completion and completion[-1] == self.pad_id:
+                completion.pop()
+        text = self.tokenizer.decode(completion, skip_special_tokens=False)
+        return Generation(request.sample_id, list(request.prompt_ids), completion, finish_reason, text)
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if source is None:
+            continue
+        for token in source if isinstance(source, list) else [source]:
+            if token not in ids:
+                ids.append(int(token))
+    if not ids:
+        raise ValueError("the model defines no end-of-sequence token")
+    return ids
+
+
+def _batch_seed(seed: int, batch: Sequence[GenerationRequest]) -> int:
+    digest = hashlib.sha256(str(seed).encode())
+    for request in batch:
+        digest.update(request.sample_id.encode())
+    return int.from_bytes(digest.digest()[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF

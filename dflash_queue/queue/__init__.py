@@ -1,0 +1,1 @@
+"""Celery wiring: the app, its two lanes' tasks, and worker start-up."""

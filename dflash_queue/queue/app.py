@@ -1,0 +1,66 @@
+"""The Celery app and its settings, built from a deployment config."""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from dflash_queue.config import Config
+from dflash_queue.errors import ConfigError
+
+GENERATE_QUEUE = "generate"
+EXTRACT_QUEUE = "extract"
+GENERATE_TASK = "dfq.generate"
+EXTRACT_TASK = "dfq.extract"
+
+app = Celery("dflash_queue", include=["dflash_queue.queue.tasks"])
+
+
+def celery_settings(config: Config) -> dict:
+    if not config.broker.url:
+        raise ConfigError(
+            f"{config.source}: broker.url is empty; set it (or {'DFQ_BROKER_URL'}) or use `dflash-queue run`"
+        )
+    transport = {
+        "visibility_timeout": config.broker.visibility_timeout_s,
+        # Redis can drop idle connections behind NAT or proxies; keep them alive and notice breaks.
+        "socket_keepalive": True,
+        "health_check_interval": 25,
+    }
+    return {
+        "broker_url": config.broker.url,
+        "broker_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        "broker_connection_max_retries": None,
+        # Messages are references (shard ids, counts, a fingerprint); nothing needs pickle.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        # Results are never read: the outputs live in storage and progress in the ledger.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # At-least-once delivery: a task whose worker dies is delivered again, never lost.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_queues": (
+            Queue(GENERATE_QUEUE, Exchange(GENERATE_QUEUE), routing_key=GENERATE_QUEUE),
+            Queue(EXTRACT_QUEUE, Exchange(EXTRACT_QUEUE), routing_key=EXTRACT_QUEUE),
+        ),
+        "task_routes": {
+            GENERATE_TASK: {"queue": GENERATE_QUEUE, "routing_key": GENERATE_QUEUE},
+            EXTRACT_TASK: {"queue": EXTRACT_QUEUE, "routing_key": EXTRACT_QUEUE},
+        },
+        "task_default_queue": GENERATE_QUEUE,
+        # Events for Flower.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "task_track_started": True,
+        "worker_hijack_root_logger": False,
+    }
+
+
+def configure_app(config: Config) -> Celery:
+    app.conf.update(celery_settings(config))
+    return app

@@ -1,0 +1,83 @@
+"""Lane workers as child processes: what `dflash-queue run`, the tests and the benchmarks start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from celery import Celery
+
+
+class WorkerProcess:
+    def __init__(
+        self,
+        lane: str,
+        config_path: Path,
+        env: dict[str, str],
+        log_path: Path,
+        *,
+        hostname: str | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.lane = lane
+        self.log_path = log_path
+        self.hostname = hostname
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        args = [sys.executable, "-m", "dflash_queue", "worker", lane, "-c", str(config_path), *extra_args]
+        if hostname:
+            args += ["--hostname", hostname]
+        self.process = subprocess.Popen(
+            args,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches the parent only; it stops workers itself, warmly.
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_ready(self, app: Celery, timeout: float = 120.0) -> None:
+        """Block until the worker answers a control ping (engine loaded, consuming)."""
+        if not self.hostname:
+            raise ValueError("wait_ready needs a hostname to ping")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.lane} worker exited with {self.process.returncode}:\n{self.log_tail()}")
+            if app.control.ping(destination=[self.hostname], timeout=0.5):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.lane} worker not ready after {timeout}s:\n{self.log_tail()}")
+
+    def terminate(self) -> None:
+        """Warm shutdown: the running task finishes (or is requeued), then the worker exits."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group, as the OOM killer would."""
+        if self.alive():
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.terminate()
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        if not self._log.closed:
+            self._log.close()

@@ -1,0 +1,48 @@
+"""What a worker process holds for its whole life: config, ledger, and the resident lane (engine loaded once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_queue.config import Config
+from dflash_queue.ledger import Ledger
+
+
+@dataclass
+class WorkerRuntime:
+    config: Config
+    fingerprint: str
+    ledger: Ledger
+    lanes: dict[str, Any]
+
+    def lane(self, name: str) -> Any:
+        try:
+            return self.lanes[name]
+        except KeyError:
+            raise RuntimeError(f"this worker does not serve the {name!r} lane (serves {sorted(self.lanes)})") from None
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()
+
+
+_current: WorkerRuntime | None = None
+
+
+def install(runtime: WorkerRuntime) -> None:
+    global _current
+    _current = runtime
+
+
+def current() -> WorkerRuntime:
+    if _current is None:
+        raise RuntimeError("no worker runtime installed in this process; start workers with `dflash-queue worker`")
+    return _current
+
+
+def uninstall() -> WorkerRuntime | None:
+    global _current
+    runtime, _current = _current, None
+    return runtime

@@ -1,0 +1,71 @@
+"""Thin Celery tasks: check the message, call the lane, record progress, chain the next lane.
+
+Messages carry references only: a shard id, its sample count and the config fingerprint.
+"""
+
+from __future__ import annotations
+
+from celery import Task
+from celery.utils.log import get_task_logger
+
+from dflash_queue import ledger as states
+from dflash_queue.errors import FingerprintMismatch
+from dflash_queue.queue import runtime
+from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
+
+log = get_task_logger(__name__)
+
+
+def _check_fingerprint(rt: runtime.WorkerRuntime, fingerprint: str, shard_id: str) -> None:
+    if fingerprint != rt.fingerprint:
+        raise FingerprintMismatch(
+            f"shard {shard_id}: message fingerprint {fingerprint} != worker config fingerprint {rt.fingerprint} "
+            f"({rt.config.source}); the worker runs a different model or settings than the producer"
+        )
+
+
+class LaneTask(Task):
+    """Records a failed shard in the ledger so that runs and operators see it instead of waiting forever."""
+
+    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
+        shard_id = args[0] if args else kwargs.get("shard_id", "?")
+        try:
+            runtime.current().ledger.mark_failed(shard_id, f"{self.name}: {type(exc).__name__}: {exc}")
+        except Exception:  # never let bookkeeping hide the original error
+            log.exception("could not record the failure of shard %s", shard_id)
+
+
+@app.task(name=GENERATE_TASK, base=LaneTask)
+def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
+    rt = runtime.current()
+    _check_fingerprint(rt, fingerprint, shard_id)
+    summary = rt.lane("generate").run(shard_id)
+    if not summary.skipped:
+        rt.ledger.add(summary.counters())
+    rt.ledger.set_state(shard_id, states.GENERATED)
+    extract_shard.apply_async(args=(shard_id, summary.num_samples, fingerprint), queue=EXTRACT_QUEUE)
+    log.info(
+        "generated shard %s: %d samples, %d completion tokens%s",
+        shard_id,
+        summary.num_samples,
+        summary.completion_tokens,
+        " (already stored)" if summary.skipped else "",
+    )
+
+
+@app.task(name=EXTRACT_TASK, base=LaneTask)
+def extract_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
+    rt = runtime.current()
+    _check_fingerprint(rt, fingerprint, shard_id)
+    summary = rt.lane("extract").run(shard_id)
+    if not summary.skipped:
+        rt.ledger.add(summary.counters())
+    rt.ledger.set_state(shard_id, states.DONE)
+    log.info(
+        "extracted shard %s: %d samples, %d tokens, %d bytes%s",
+        shard_id,
+        summary.num_samples,
+        summary.num_tokens,
+        summary.num_bytes,
+        " (already stored)" if summary.skipped else "",
+    )

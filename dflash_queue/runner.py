@@ -1,0 +1,121 @@
+"""Single-box run: a private broker if none is configured, one worker per lane, enqueue, wait, stop, summarise."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.ledger import DONE, FAILED, Ledger
+from dflash_queue.producer import EnqueueReport, Producer
+from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.launcher import WorkerProcess
+from dflash_queue.redis_server import RedisServer
+from dflash_queue.storage.keys import SHARDS
+
+LANES = ("generate", "extract")
+
+
+class RunFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class RunSummary:
+    report: EnqueueReport
+    counters: dict[str, int]
+    elapsed_s: float
+    shards_done: int
+    shards_failed: dict[str, str] = field(default_factory=dict)
+    output: str = ""
+
+    def lines(self) -> list[str]:
+        c = self.counters
+        lines = [
+            f"samples:           {self.report.samples} read, {self.report.duplicates} duplicates, "
+            f"{self.report.problems.total} bad records skipped",
+            f"shards:            {self.shards_done} done, {len(self.shards_failed)} failed, "
+            f"{self.report.skipped_done} were already done",
+            f"tokens generated:  {c.get('generate_completion_tokens', 0)} "
+            f"(prompts {c.get('generate_prompt_tokens', 0)}; "
+            f"stopped {c.get('finish_stop', 0)}, truncated {c.get('finish_length', 0)})",
+            f"tokens extracted:  {c.get('extract_tokens', 0)} ({c.get('extract_bytes', 0) / 1e6:.1f} MB)",
+            f"elapsed:           {self.elapsed_s:.1f} s",
+            f"training shards:   {self.output}",
+        ]
+        if self.report.problems.total:
+            lines.append("bad records:")
+            lines.extend("  " + line for line in self.report.problems.lines())
+        for shard_id, error in self.shards_failed.items():
+            lines.append(f"failed shard {shard_id}: {error}")
+        return lines
+
+
+def run_single_box(
+    config_path: Path,
+    config: Config,
+    datasets: list[Path],
+    *,
+    console: Console | None = None,
+    poll_s: float = 0.5,
+) -> RunSummary:
+    console = console or Console(stderr=True)
+    started = time.monotonic()
+    state_dir = Path(config.run.state_dir)
+    with ExitStack() as stack:
+        if not config.broker.url:
+            server = RedisServer(state_dir / "redis").start()
+            stack.callback(server.stop)
+            config = config.with_overrides(broker={"url": server.url})
+            console.print(f"started a private redis-server on {server.url} (AOF in {server.directory})")
+        configure_app(config)
+        ledger = Ledger.from_url(config.broker.url, config.run.name)
+        before = ledger.counters()
+
+        env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
+        workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in LANES]
+        for worker in workers:
+            stack.callback(worker.stop)
+        console.print(f"started workers: {', '.join(f'{w.lane} (pid {w.process.pid})' for w in workers)}")
+
+        progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+        )
+        with progress:
+            staging = progress.add_task("enqueue  (samples)", total=None)
+            report = Producer(config, ledger).enqueue(datasets, on_shard=lambda n: progress.advance(staging, n))
+            progress.update(staging, total=report.samples, completed=report.samples)
+            pending = set(report.shard_ids)
+            done_task = progress.add_task("complete (shards) ", total=len(pending))
+            failed: dict[str, str] = {}
+            while True:
+                states = ledger.states(pending)
+                finished = {s for s, state in states.items() if state in (DONE, FAILED)}
+                progress.update(done_task, completed=len(finished))
+                if len(finished) == len(pending):
+                    failed = {s: ledger.failure(s) for s, state in states.items() if state == FAILED}
+                    break
+                for worker in workers:
+                    if not worker.alive():
+                        raise RunFailed(
+                            f"the {worker.lane} worker exited with code {worker.process.returncode}; "
+                            f"log {worker.log_path}:\n{worker.log_tail()}"
+                        )
+                time.sleep(poll_s)
+
+        after = ledger.counters()
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    return RunSummary(
+        report=report,
+        counters=delta,
+        elapsed_s=time.monotonic() - started,
+        shards_done=len(pending) - len(failed),
+        shards_failed=failed,
+        output=f"{config.storage.url.rstrip('/')}/{SHARDS}/",
+    )

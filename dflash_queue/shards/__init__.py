@@ -1,0 +1,1 @@
+"""On-storage formats: staged prompts, generated completions, training shards."""

@@ -1,0 +1,166 @@
+"""Training shards: one safetensors file of many samples, concatenated along the token axis.
+
+Tensors:
+  input_ids      int32  [T]         prompt ids followed by completion ids, per sample
+  loss_mask      uint8  [T]         1 exactly on completion tokens
+  hidden_states  dtype  [T, K, H]   output of decoder layer `layer_ids[k]` at each token
+  offsets        int64  [N + 1]     sample i spans tokens offsets[i]:offsets[i + 1]
+
+Metadata (all strings, JSON where structured) says what the tensors mean: target model, layer ids and their
+convention, dtype, sample ids, finish reasons, versions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_queue.errors import ShardFormatError
+
+FORMAT = "dflash-queue/hidden-states"
+FORMAT_VERSION = "1"
+# "Layer i" is the output of decoder layer i (before the final norm): Transformers' hidden_states[i + 1].
+LAYER_CONVENTION = "decoder_layer_output"
+HF_HIDDEN_STATES_INDEX = "layer_id + 1"
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ExtractedSample:
+    id: str
+    input_ids: torch.Tensor  # int [T]
+    loss_mask: torch.Tensor  # uint8 [T]
+    hidden_states: torch.Tensor  # [T, K, H]
+    finish_reason: str
+    thinking: bool
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    target_model: str
+    layer_ids: tuple[int, ...]
+    num_model_layers: int
+    hidden_size: int
+    dtype: str
+    config_fingerprint: str
+    versions: dict[str, str]
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "target_model": self.target_model,
+            "layer_ids": json.dumps(list(self.layer_ids)),
+            "layer_convention": LAYER_CONVENTION,
+            "hf_hidden_states_index": HF_HIDDEN_STATES_INDEX,
+            "num_model_layers": str(self.num_model_layers),
+            "hidden_size": str(self.hidden_size),
+            "dtype": self.dtype,
+            "config_fingerprint": self.config_fingerprint,
+            "versions": json.dumps(self.versions, sort_keys=True),
+        }
+
+
+def validate_sample(sample: ExtractedSample, info: ShardInfo) -> None:
+    """Lengths agree, shapes match the model, values are finite: checked before anything is written."""
+    tokens = sample.input_ids.shape[0]
+    expected = (tokens, len(info.layer_ids), info.hidden_size)
+    if tuple(sample.hidden_states.shape) != expected:
+        raise ShardFormatError(
+            f"sample {sample.id}: hidden_states shape {tuple(sample.hidden_states.shape)}, expected {expected}"
+        )
+    if sample.loss_mask.shape[0] != tokens:
+        raise ShardFormatError(f"sample {sample.id}: loss_mask has {sample.loss_mask.shape[0]} tokens, not {tokens}")
+    if not torch.isfinite(sample.hidden_states).all():
+        raise NonFiniteHiddenStates(sample.id)
+
+
+class NonFiniteHiddenStates(ShardFormatError):
+    def __init__(self, sample_id: str) -> None:
+        super().__init__(f"sample {sample_id}: hidden states contain NaN or Inf")
+        self.sample_id = sample_id
+
+
+def write_training_shard(path: Path, samples: Sequence[ExtractedSample], info: ShardInfo) -> None:
+    if not samples:
+        raise ShardFormatError("refusing to write an empty shard")
+    for sample in samples:
+        validate_sample(sample, info)
+    dtype = _DTYPES[info.dtype]
+    lengths = [s.input_ids.shape[0] for s in samples]
+    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    tensors = {
+        "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples]),
+        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
+        "hidden_states": torch.cat([s.hidden_states.to(dtype) for s in samples]).contiguous(),
+        "offsets": offsets,
+    }
+    metadata = info.to_metadata()
+    metadata["sample_ids"] = json.dumps([s.id for s in samples])
+    metadata["finish_reasons"] = json.dumps([s.finish_reason for s in samples])
+    metadata["thinking"] = json.dumps([s.thinking for s in samples])
+    save_file(tensors, str(path), metadata=metadata)
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    id: str
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    hidden_states: torch.Tensor
+    finish_reason: str
+    thinking: bool
+
+
+class TrainingShard:
+    """Random access to the samples of one shard without reading the whole file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            with safe_open(str(self.path), framework="pt") as handle:
+                self.metadata: dict[str, str] = handle.metadata() or {}
+                self.offsets = handle.get_tensor("offsets")
+        except Exception as exc:  # safetensors raises its own error types for corrupt files
+            raise ShardFormatError(f"{self.path}: not a readable safetensors shard: {exc}") from None
+        if self.metadata.get("format") != FORMAT:
+            raise ShardFormatError(f"{self.path}: metadata format is {self.metadata.get('format')!r}, not {FORMAT}")
+        self.sample_ids: list[str] = json.loads(self.metadata["sample_ids"])
+        self.finish_reasons: list[str] = json.loads(self.metadata["finish_reasons"])
+        self.thinking: list[bool] = json.loads(self.metadata["thinking"])
+        self.layer_ids: list[int] = json.loads(self.metadata["layer_ids"])
+        if len(self.sample_ids) + 1 != self.offsets.shape[0]:
+            raise ShardFormatError(f"{self.path}: {len(self.sample_ids)} sample ids but {self.offsets.shape[0]} offsets")
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index: int) -> TrainingSample:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        with safe_open(str(self.path), framework="pt") as handle:
+            return TrainingSample(
+                id=self.sample_ids[index],
+                input_ids=handle.get_slice("input_ids")[start:end],
+                loss_mask=handle.get_slice("loss_mask")[start:end],
+                hidden_states=handle.get_slice("hidden_states")[start:end],
+                finish_reason=self.finish_reasons[index],
+                thinking=self.thinking[index],
+            )
+
+    def info(self) -> dict[str, Any]:
+        return {key: value for key, value in self.metadata.items() if key not in {"sample_ids", "finish_reasons", "thinking"}}

@@ -1,0 +1,98 @@
+"""Local-filesystem storage: temp file in the target directory, fsync, then rename."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from dflash_queue.errors import StorageError
+
+
+class LocalStorage:
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+        self.url = str(self.root)
+
+    def path_of(self, key: str) -> Path:
+        if not key or key.startswith("/") or ".." in key.split("/"):
+            raise StorageError(f"invalid storage key {key!r}")
+        return self.root / key
+
+    def exists(self, key: str) -> bool:
+        return self.path_of(key).is_file()
+
+    def read_bytes(self, key: str) -> bytes:
+        try:
+            return self.path_of(key).read_bytes()
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        with self._atomic_target(key) as handle:
+            handle.write(data)
+
+    def write_file(self, key: str, path: Path) -> None:
+        with self._atomic_target(key) as handle, open(path, "rb") as source:
+            shutil.copyfileobj(source, handle, length=8 * 1024 * 1024)
+
+    @contextmanager
+    def local_copy(self, key: str) -> Iterator[Path]:
+        path = self.path_of(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.url}: no object {key}")
+        yield path
+
+    def list(self, prefix: str = "") -> Iterator[str]:
+        base = self.root / prefix if prefix else self.root
+        if not base.exists():
+            return
+        directory = base if base.is_dir() else base.parent
+        for path in directory.rglob("*"):
+            if path.is_file() and not path.name.startswith(".tmp-"):
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    yield key
+
+    def delete(self, key: str) -> None:
+        self.path_of(key).unlink(missing_ok=True)
+
+    def size(self, key: str) -> int:
+        return self.path_of(key).stat().st_size
+
+    @contextmanager
+    def _atomic_target(self, key: str) -> Iterator[object]:
+        target = self.path_of(key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot write {key}: {exc}") from exc
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                yield handle
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp_name, target)
+        except BaseException as exc:
+            with _suppress_oserror():
+                os.unlink(tmp_name)
+            if isinstance(exc, OSError):
+                raise StorageError(f"{self.url}: cannot write {key}: {exc}") from exc
+            raise
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.url!r})"
+
+
+@contextmanager
+def _suppress_oserror() -> Iterator[None]:
+    try:
+        yield
+    except OSError:
+        pass

@@ -1,0 +1,1 @@
+"""Helpers for tests: tiny, locally built models and tokenizers."""

@@ -1,0 +1,51 @@
+"""Deployment configs for tests and benchmarks, written as real TOML files and loaded like any other."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def to_toml(tables: dict[str, dict[str, Any]]) -> str:
+    lines: list[str] = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def tiny_config_tables(model_path: Path, storage: Path | str, broker_url: str, state_dir: Path) -> dict[str, dict[str, Any]]:
+    """A CPU config for the tiny model: small shards, short completions, float32."""
+    return {
+        "run": {"name": "test", "state_dir": str(state_dir)},
+        "broker": {"url": broker_url, "visibility_timeout_s": 600, "task_timeout_s": 300},
+        "storage": {"url": str(storage)},
+        "model": {"path": str(model_path), "name": "tiny-qwen3", "dtype": "float32", "device": "cpu"},
+        "dataset": {"shard_size": 8, "thinking": "always"},
+        "generate": {"engine": "transformers", "batch_size": 8},
+        "generate.sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": 48, "seed": 0},
+        "extract": {"num_draft_layers": 3, "token_budget": 2048, "hidden_dtype": "bfloat16"},
+    }
+
+
+def write_config(path: Path, tables: dict[str, dict[str, Any]], **overrides: dict[str, Any]) -> Path:
+    """Write `tables` with per-table overrides (`generate.sampling={"max_tokens": 8}` via a dict key)."""
+    merged = {name: dict(values) for name, values in tables.items()}
+    for table, values in overrides.items():
+        merged.setdefault(table.replace("__", "."), {}).update(values)
+    path.write_text(to_toml(merged))
+    return path
+

@@ -1,0 +1,651 @@
+"""Build a tiny, random-weight Qwen3 model and tokenizer entirely offline.
+
+``build_tiny_model(out_dir)`` writes a ``Qwen3ForCausalLM`` checkpoint (float32 safetensors), a byte-level
+BPE tokenizer trained on an embedded corpus, a Qwen3-style chat template and a generation config. Nothing is
+downloaded. The same arguments give byte-identical files on the same machine and software versions.
+
+The weights are random except for a few output-embedding rows:
+
+* the ``<|im_end|>`` row (the EOS token) points along the mean direction of the model's own final hidden
+  states, scaled so that the mean per-step probability of EOS while sampling at temperature 1.0 is
+  ``eos_stop_probability``. Completions therefore stop after roughly geometric, long-tailed lengths with a
+  mean of about ``1 / eos_stop_probability`` tokens;
+* the ``<|endoftext|>`` and ``<|im_start|>`` rows point the opposite way, so those tokens are (almost)
+  never generated, like in a trained chat model;
+* the remaining rows are drawn with a larger standard deviation than the rest of the network, so the
+  next-token distributions are peaked (top-1 probability often well above a uniform guess), which keeps
+  greedy decoding and speculative-decoding acceptance rates away from the degenerate uniform case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ADDED_TOKENS",
+    "CHAT_TEMPLATE",
+    "MARKER_FILE",
+    "TINY_CORPUS",
+    "build_tiny_model",
+    "is_complete_build",
+]
+
+#: Bump when the produced files change for the same arguments; an existing build made by another version is
+#: not reused (``build_tiny_model`` raises unless ``overwrite=True``).
+BUILDER_VERSION = 1
+
+#: Written last into a finished build; its presence (with matching parameters) marks the build complete.
+MARKER_FILE = "tiny_model_build.json"
+
+#: Total tokenizer size including the added tokens (a multiple of 64, so the model's vocab_size equals it).
+TOKENIZER_VOCAB_SIZE = 1536
+
+HEAD_DIM = 64
+MAX_POSITION_EMBEDDINGS = 4096
+ROPE_THETA = 1_000_000.0
+#: Standard deviation of the output logits of ordinary tokens (before the EOS row is calibrated).
+LOGIT_STD = 3.0
+
+#: (content, special) in id order, appended after the BPE vocabulary the way Qwen3 does it. ``special``
+#: follows Qwen3: ``<think>``/``</think>`` and the tool tags are added tokens that are *not* special, so
+#: ``decode(..., skip_special_tokens=True)`` keeps them.
+ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+
+# Same pre-tokenization regex as the Qwen2/Qwen3 tokenizers.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+#: Training text for the tokenizer: chat, reasoning, math, code and prose (about 9 KB).
+TINY_CORPUS = '''\
+User: Hi there! Can you help me plan a short trip to the mountains next weekend?
+Assistant: Of course. Let me think about it. First, check the weather forecast, then pack warm clothes, water, snacks and a map. A two-day hike with one night in a cabin is a good plan for beginners.
+User: What should I bring for dinner?
+Assistant: Something light and easy to cook: pasta, rice, soup, bread, cheese and fruit. Bring a small stove and remember to carry your trash back down.
+User: Thanks, that sounds great.
+Assistant: You're welcome! Have a safe and happy trip.
+
+<think>
+The user asks for the sum of the first ten positive integers. The formula is n(n+1)/2, so 10 * 11 / 2 = 55. Let me double check by adding: 1 + 2 + 3 + 4 + 5 = 15, and 6 + 7 + 8 + 9 + 10 = 40, so the total is 55.
+</think>
+
+The answer is 55.
+
+Question: A train travels 120 kilometers in 2 hours. What is its average speed?
+Answer: The average speed is distance divided by time, so 120 / 2 = 60 kilometers per hour.
+
+Question: Solve for x: 3x + 7 = 22.
+Answer: Subtract 7 from both sides to get 3x = 15, then divide by 3, so x = 5.
+
+Question: What is 17 * 24?
+Answer: 17 * 24 = 17 * 20 + 17 * 4 = 340 + 68 = 408.
+
+Question: If a rectangle has a width of 4 cm and a length of 9 cm, what is its area and its perimeter?
+Answer: The area is 4 * 9 = 36 square centimeters. The perimeter is 2 * (4 + 9) = 26 centimeters.
+
+Let f(x) = x^2 - 5x + 6. The roots satisfy (x - 2)(x - 3) = 0, therefore x = 2 or x = 3. The derivative is f'(x) = 2x - 5, which equals zero at x = 2.5, where the function reaches its minimum value of -0.25.
+
+The probability of rolling two sixes with a pair of fair dice is 1/6 * 1/6 = 1/36, which is about 0.0278. The expected value of a single roll is (1 + 2 + 3 + 4 + 5 + 6) / 6 = 3.5.
+
+def fibonacci(n: int) -> list[int]:
+    """Return the first n Fibonacci numbers."""
+    result = []
+    a, b = 0, 1
+    for _ in range(n):
+        result.append(a)
+        a, b = b, a + b
+    return result
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        if not self.items:
+            raise IndexError("pop from empty stack")
+        return self.items.pop()
+
+    def __len__(self):
+        return len(self.items)
+
+
+import json
+import os
+
+def load_config(path):
+    with open(path, "r", encoding="utf-8") as handle:
+        data = json.load(handle)
+    return {key: value for key, value in data.items() if value is not None}
+
+if __name__ == "__main__":
+    print(fibonacci(10))
+    print(load_config(os.environ.get("CONFIG", "config.json")))
+
+function greet(name) {
+  const message = `Hello, ${name}!`;
+  console.log(message);
+  return message.length;
+}
+
+SELECT name, COUNT(*) AS total FROM orders WHERE status = 'shipped' GROUP BY name ORDER BY total DESC LIMIT 10;
+
+for i in range(3):
+    try:
+        value = int(input("Enter a number: "))
+        break
+    except ValueError as error:
+        print(f"Invalid input: {error}")
+
+User: Can you explain what a hash table is?
+Assistant: A hash table stores key and value pairs. It uses a hash function to turn each key into an index in an array, so looking up, inserting and deleting items usually takes constant time on average. When two keys map to the same index, we call it a collision, and we resolve it with chaining or open addressing.
+
+User: Why is the sky blue?
+Assistant: Sunlight contains every color. When it passes through the atmosphere, the short blue wavelengths are scattered by gas molecules much more strongly than the long red wavelengths. This effect is called Rayleigh scattering, and it is why we see a blue sky during the day and red or orange colors at sunset.
+
+User: Write a haiku about autumn.
+Assistant: Crisp leaves drift and fall,
+golden light on quiet paths,
+the year breathes slowly.
+
+User: Summarize the story of the tortoise and the hare.
+Assistant: A fast hare mocks a slow tortoise and agrees to race him. The hare runs ahead, feels so confident that he takes a nap, and wakes up to find that the tortoise, moving steadily without stopping, has already crossed the finish line. The lesson: slow and steady wins the race.
+
+<think>
+I need to decide whether 97 is prime. Its square root is a bit less than 10, so I only have to test the primes 2, 3, 5 and 7. It is odd, the digit sum is 16 so it is not divisible by 3, it does not end in 0 or 5, and 7 * 13 = 91 while 7 * 14 = 98. So 97 is prime.
+</think>
+
+Yes, 97 is a prime number.
+
+User: I feel tired all the time. Any advice?
+Assistant: I'm sorry to hear that. Try to keep a regular sleep schedule, drink enough water, eat balanced meals, take short walks outside, and limit caffeine late in the day. If the tiredness continues for weeks, it would be wise to talk to a doctor.
+
+User: Translate "good morning, how are you?" into French and Spanish.
+Assistant: In French: "Bonjour, comment allez-vous ?" In Spanish: "Buenos días, ¿cómo estás?"
+
+The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick daft zebras jump! Sphinx of black quartz, judge my vow.
+
+Once upon a time, in a small village near the sea, there lived an old fisherman and his granddaughter. Every morning they walked to the harbor, repaired the nets together, and watched the boats leave before sunrise. One day a storm arrived without warning, and the girl had to remember everything her grandfather had taught her about the wind, the clouds and the tides.
+
+Machine learning models learn patterns from data. During training, the model makes predictions, a loss function measures the error, and an optimizer such as stochastic gradient descent or Adam updates the weights to reduce that error. Large language models predict the next token in a sequence, and speculative decoding uses a small draft model to propose several tokens that the large target model then verifies in parallel.
+
+A transformer layer has an attention block and a feed forward block. Attention lets every position look at earlier positions through queries, keys and values. Hidden states from several layers can be extracted and saved to train a drafter that guesses future tokens quickly.
+
+User: Please think step by step. Tom has 3 apples and buys 5 more, then gives 2 to his sister. How many apples does he have?
+Assistant: <think>
+Tom starts with 3 apples. After buying 5 more he has 3 + 5 = 8. He gives away 2, so 8 - 2 = 6.
+</think>
+
+Tom has 6 apples.
+
+User: What are the main differences between lists and tuples in Python?
+Assistant: Lists are mutable, so you can add, remove or change their elements, while tuples are immutable once created. Tuples are often used for fixed records and can be used as dictionary keys, whereas lists are better for collections that grow or shrink.
+
+Error: file not found. Please check the path and try again. Warning: the disk is almost full (93% used). Info: the server started on port 8080 at 12:45:07.
+
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. January, February, March, April, May, June, July, August, September, October, November, December. Red, orange, yellow, green, blue, indigo, violet. North, south, east, west.
+
+The recipe needs two cups of flour, one cup of sugar, three eggs, half a cup of milk, a pinch of salt and a spoon of butter. Mix the dry ingredients first, then add the eggs and milk, stir well, and bake for thirty minutes at 180 degrees.
+
+Tool call: {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+Tool response: {"temperature": 18, "condition": "partly cloudy", "humidity": 0.64}
+Assistant: It is currently 18 degrees and partly cloudy in Paris.
+
+User: Is it better to rent or to buy a house?
+Assistant: It depends on your situation. Buying builds equity and gives you stability, but it requires a large down payment and comes with maintenance costs. Renting is more flexible and cheaper upfront, which is useful if you might move soon. Compare the total monthly costs over five to ten years before you decide.
+
+Theorem: the square root of 2 is irrational. Proof: suppose sqrt(2) = p / q in lowest terms. Then p^2 = 2 q^2, so p is even, write p = 2k. Then 4 k^2 = 2 q^2, so q^2 = 2 k^2 and q is even too, which contradicts the assumption that the fraction was in lowest terms.
+
+The integral of 1 / x from 1 to e equals 1. The sum of the geometric series 1 + 1/2 + 1/4 + ... equals 2. The limit of (1 + 1/n)^n as n grows is e, approximately 2.71828.
+
+git clone https://github.com/example/project.git
+cd project && pip install -e ".[test]" && pytest -q
+docker run --rm -it -v "$PWD":/app -w /app python:3.11 bash
+
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+<|im_start|>user
+Give me three tips for learning a new language.<|im_end|>
+<|im_start|>assistant
+<think>
+
+</think>
+
+1. Practice a little every day. 2. Listen to music and podcasts in the language. 3. Talk with native speakers as early as possible.<|im_end|>
+'''
+
+# A Qwen3-style chat template (same rendering rules as the official Qwen3 one):
+# * ``<|im_start|>{role}\n{content}<|im_end|>\n`` per turn; a leading system message (or the tool list) first;
+# * assistant turns before the last real user query lose their ``<think>...</think>`` reasoning; assistant
+#   turns after it (the current turn) keep it, taken from ``reasoning_content`` or split out of ``content``,
+#   and the final assistant turn always gets a (possibly empty) think block;
+# * tool results are rendered as ``<tool_response>`` blocks inside a user turn, tool calls as ``<tool_call>``;
+# * ``add_generation_prompt`` appends ``<|im_start|>assistant\n``, plus ``<think>\n\n</think>\n\n`` when
+#   ``enable_thinking`` is false.
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}"
+    "{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string"
+    " and not (message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}"
+    "{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}"
+    "{%- else %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- endif %}"
+    "{%- if message.tool_calls %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+# Files a finished build must contain besides the marker.
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
+
+
+def _build_params(num_layers: int, hidden_size: int, seed: int, eos_stop_probability: float) -> dict[str, Any]:
+    return {
+        "builder_version": BUILDER_VERSION,
+        "num_layers": int(num_layers),
+        "hidden_size": int(hidden_size),
+        "seed": int(seed),
+        "eos_stop_probability": float(eos_stop_probability),
+    }
+
+
+def _read_marker(path: Path) -> dict[str, Any] | None:
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or not all((path / name).is_file() for name in _REQUIRED_FILES):
+        return None
+    return marker
+
+
+def is_complete_build(path: str | Path) -> bool:
+    """Whether ``path`` holds a finished build (of any parameters)."""
+    return _read_marker(Path(path)) is not None
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 6,
+    hidden_size: int = 128,
+    seed: int = 0,
+    eos_stop_probability: float = 0.03,
+    overwrite: bool = False,
+) -> Path:
+    """Build a tiny random-weight Qwen3 model with its tokenizer into ``out_dir`` and return the path.
+
+    If ``out_dir`` already holds a complete build with the same parameters, it is returned at once (unless
+    ``overwrite``). A complete build with other parameters, or a non-empty directory that is not a build,
+    raises ``FileExistsError`` unless ``overwrite`` is true. The files are written into a temporary directory
+    next to ``out_dir`` and renamed into place, so readers never see a half-written build; concurrent builders
+    of the same build are fine (the first rename wins).
+    """
+    out_dir = Path(out_dir).expanduser().absolute()
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+    if hidden_size < HEAD_DIM or hidden_size % HEAD_DIM:
+        raise ValueError(f"hidden_size must be a positive multiple of {HEAD_DIM}, got {hidden_size}")
+    if not 0.0 < eos_stop_probability < 0.5:
+        raise ValueError(f"eos_stop_probability must be in (0, 0.5), got {eos_stop_probability}")
+    params = _build_params(num_layers, hidden_size, seed, eos_stop_probability)
+
+    if not overwrite:
+        _check_existing(out_dir, params)
+        if _read_marker(out_dir) is not None:
+            return out_dir
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        _build_into(tmp, params)
+        # The marker goes last: its presence means every other file is complete.
+        (tmp / MARKER_FILE).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _move_into_place(tmp, out_dir, params, overwrite=overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def _check_existing(out_dir: Path, params: dict[str, Any]) -> None:
+    """Raise unless ``out_dir`` is absent, empty, or a complete build with ``params``."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a directory")
+    marker = _read_marker(out_dir)
+    if marker is None:
+        if any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} is not empty and holds no complete tiny-model build")
+        return
+    if marker != params:
+        raise FileExistsError(
+            f"{out_dir} holds a tiny-model build with other parameters ({marker}, wanted {params}); "
+            "pass overwrite=True to replace it"
+        )
+
+
+def _move_into_place(tmp: Path, out_dir: Path, params: dict[str, Any], *, overwrite: bool) -> None:
+    if out_dir.exists() and (overwrite or not any(out_dir.iterdir())):
+        if any(out_dir.iterdir()):
+            trash = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            os.replace(out_dir, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        # Another process finished the same build first: keep theirs if it is what we wanted.
+        if _read_marker(out_dir) == params:
+            return
+        raise
+
+
+def _build_into(path: Path, params: dict[str, Any]) -> None:
+    import torch
+
+    tokenizer = _build_tokenizer()
+    # Do not disturb the caller's global RNG state (model init draws from it).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(params["seed"])
+        model = _build_model(tokenizer, params)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    # transformers 5 records its new class name ("TokenizersBackend"); the old alias loads in 4.x and 5.x
+    # alike and, unlike a model-specific class such as Qwen2Tokenizer, uses tokenizer.json as it is.
+    config_path = path / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text(encoding="utf-8"))
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", "utf-8")
+    # mkdtemp makes a private directory, and some writers create private files: use the usual permissions.
+    os.chmod(path, 0o755)
+    for child in path.iterdir():
+        os.chmod(child, 0o644)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _build_tokenizer():
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE - len(ADDED_TOKENS),
+        min_frequency=0,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    backend.train_from_iterator([TINY_CORPUS], trainer=trainer)
+    for content, special in ADDED_TOKENS:
+        token = AddedToken(content, special=special, normalized=False, lstrip=False, rstrip=False, single_word=False)
+        if special:
+            backend.add_special_tokens([token])
+        else:
+            backend.add_tokens([token])
+    if backend.get_vocab_size() != TOKENIZER_VOCAB_SIZE:  # the embedded corpus is rich enough for this
+        raise RuntimeError(f"tokenizer has {backend.get_vocab_size()} tokens, expected {TOKENIZER_VOCAB_SIZE}")
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+    for content, _ in ADDED_TOKENS:
+        ids = tokenizer.encode(content, add_special_tokens=False)
+        if len(ids) != 1:
+            raise RuntimeError(f"{content!r} encodes to {ids}, expected a single id")
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model
+
+# Calibration sampling: this many sequences of this many sampled tokens after fixed-length chat prompts.
+_CALIBRATION_SEQUENCES = 32
+_CALIBRATION_STEPS = 128
+_CALIBRATION_PROMPT_TOKENS = 16
+# Mean logit given to <|endoftext|> and <|im_start|> (other logits have mean 0 and std LOGIT_STD).
+_SUPPRESSED_MEAN_LOGIT = -12.0
+
+
+def _build_model(tokenizer, params: dict[str, Any]):
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    endoftext_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    im_start_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    hidden = params["hidden_size"]
+    num_layers = params["num_layers"]
+    num_heads = max(2, hidden // HEAD_DIM)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        head_dim=HEAD_DIM,
+        hidden_act="silu",
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        use_cache=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=num_layers,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=endoftext_id,
+        dtype="float32",
+    )
+    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[eos_id, endoftext_id], pad_token_id=endoftext_id
+    )
+
+    with torch.no_grad():
+        weight = model.lm_head.weight  # [vocab, hidden]
+        # Peaked next-token distributions: the final RMSNorm makes |h| ~ sqrt(hidden).
+        weight.normal_(0.0, LOGIT_STD / math.sqrt(hidden))
+
+        # Rare special tokens: point their rows against the mean hidden state on the corpus.
+        corpus_ids = tokenizer.encode(TINY_CORPUS, add_special_tokens=False)
+        states = _teacher_forced_states(model, corpus_ids)
+        direction = _unit(states.mean(0))
+        along = (states @ direction).mean()
+        for token_id in (endoftext_id, im_start_id):
+            weight[token_id] = (direction * (_SUPPRESSED_MEAN_LOGIT / along)).to(weight.dtype)
+
+        # EOS: sample from the model with EOS masked, then scale the EOS row (along the mean on-policy hidden
+        # state) so the mean per-step EOS probability over those states is the requested one.
+        weight[eos_id] = 0.0
+        prompts = _calibration_prompts(tokenizer, corpus_ids)
+        generator = torch.Generator().manual_seed(params["seed"])
+        states, rest_lse = _sampled_states(model, prompts, eos_id, generator)
+        direction = _unit(states.mean(0))
+        scale = _solve_eos_scale(states @ direction, rest_lse, params["eos_stop_probability"])
+        weight[eos_id] = (direction * scale).to(weight.dtype)
+    return model
+
+
+def _unit(vector):
+    return vector / vector.norm()
+
+
+def _teacher_forced_states(model, token_ids: list[int], chunk: int = 128):
+    """Final (normed) hidden states of the model over ``token_ids`` cut into ``chunk``-token sequences."""
+    import torch
+
+    usable = len(token_ids) // chunk * chunk
+    ids = torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, chunk)
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+    return hidden.reshape(-1, hidden.shape[-1]).double()
+
+
+def _calibration_prompts(tokenizer, corpus_ids: list[int]):
+    """Equal-length chat prompts (thinking off) around corpus snippets, as a [sequences, length] tensor."""
+    import torch
+
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    head = enc("<|im_start|>user\n")
+    tail = enc("<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    n = _CALIBRATION_PROMPT_TOKENS
+    stride = max(1, (len(corpus_ids) - n) // _CALIBRATION_SEQUENCES)
+    rows = [head + corpus_ids[i * stride : i * stride + n] + tail for i in range(_CALIBRATION_SEQUENCES)]
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _sampled_states(model, prompts, eos_id: int, generator):
+    """Sample continuations at temperature 1 with EOS masked out.
+
+    Returns the final hidden state at every sampled step ([sequences * steps, hidden], float64) and the
+    log-sum-exp of the logits of every token except EOS at that step.
+    """
+    import torch
+
+    hidden, cache = _step(model, prompts, None)
+    states, lses = [], []
+    for _ in range(_CALIBRATION_STEPS):
+        logits = model.lm_head(hidden).double()
+        logits[:, eos_id] = float("-inf")
+        states.append(hidden.double())
+        lses.append(torch.logsumexp(logits, dim=-1))
+        probs = torch.softmax(logits, dim=-1)
+        next_ids = torch.multinomial(probs, 1, generator=generator)
+        hidden, cache = _step(model, next_ids, cache)
+    return torch.cat(states), torch.cat(lses)
+
+
+def _step(model, input_ids, cache):
+    """Run ``input_ids`` through the decoder; return the last position's final hidden state and the cache."""
+    out = model.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    return out.last_hidden_state[:, -1], out.past_key_values
+
+
+def _solve_eos_scale(alignment, rest_lse, target: float) -> float:
+    """Scale ``s`` with mean(sigmoid(s * alignment - rest_lse)) == target, rounded to 4 significant digits."""
+    import torch
+
+    def mean_prob(scale: float) -> float:
+        return float(torch.sigmoid(scale * alignment - rest_lse).mean())
+
+    low, high = 0.0, 1.0
+    if mean_prob(low) >= target:
+        return 0.0
+    while mean_prob(high) < target:
+        low, high = high, high * 2.0
+        if high > 1e6:
+            raise RuntimeError("could not calibrate the EOS probability")
+    for _ in range(60):
+        mid = 0.5 * (low + high)
+        if mean_prob(mid) < target:
+            low = mid
+        else:
+            high = mid
+    scale = 0.5 * (low + high)
+    return float(f"{scale:.4g}")

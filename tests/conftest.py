@@ -1,0 +1,50 @@
+"""Session-wide real parts: a redis-server on a free port and the tiny Qwen3 model built locally."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from dflash_queue.config import Config, load_config
+from dflash_queue.redis_server import RedisServer
+from dflash_queue.testing.configs import tiny_config_tables, write_config
+from dflash_queue.testing.tiny_model import build_tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=True).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """A clean database on the session's redis-server."""
+    redis.Redis.from_url(redis_server.url).flushall()
+    return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen3")
+
+
+@pytest.fixture
+def make_config(tmp_path: Path, tiny_model: Path, redis_url: str) -> Callable[..., Config]:
+    """Write a tiny-model config under tmp_path (with per-table overrides) and load it like a user would."""
+
+    def make(name: str = "config.toml", **overrides: dict) -> Config:
+        tables = tiny_config_tables(tiny_model, tmp_path / "storage", redis_url, tmp_path / "state")
+        return load_config(write_config(tmp_path / name, tables, **overrides))
+
+    return make

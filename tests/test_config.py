@@ -1,0 +1,118 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, load_config
+from dflash_queue.errors import ConfigError
+from dflash_queue.testing.configs import to_toml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text('{"num_hidden_layers": 4}')
+    return path
+
+
+def write(tmp_path: Path, tables: dict) -> Path:
+    path = tmp_path / "deploy.toml"
+    path.write_text(to_toml(tables))
+    return path
+
+
+def base(model_dir: Path) -> dict:
+    return {"storage": {"url": "out"}, "model": {"path": str(model_dir)}}
+
+
+def test_minimal_config_gets_defaults_and_resolves_relative_paths(tmp_path, model_dir):
+    config = load_config(write(tmp_path, base(model_dir)), env={})
+    assert config.storage.url == str(tmp_path / "out")
+    assert config.model.display_name == "model"
+    assert config.broker.visibility_timeout_s > config.broker.task_timeout_s
+    assert config.extract.hidden_dtype == "bfloat16"
+
+
+def test_config_objects_are_frozen(tmp_path, model_dir):
+    config = load_config(write(tmp_path, base(model_dir)), env={})
+    with pytest.raises(Exception):
+        config.dataset.shard_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "tables, key, words",
+    [
+        ({"generate": {"bach_size": 4}}, "generate.bach_size", "unknown key"),
+        ({"dataset": {"shard_size": "8"}}, "dataset.shard_size", "valid integer"),
+        ({"dataset": {"shard_size": 0}}, "dataset.shard_size", "greater than 0"),
+        ({"generate.sampling": {"temperature": -1.0}}, "generate.sampling.temperature", "greater than or equal"),
+        ({"broker": {"visibility_timeout_s": 60, "task_timeout_s": 120}}, "broker", "must exceed task_timeout_s"),
+        ({"extract": {"layer_ids": [1, 1]}}, "extract", "distinct"),
+        ({"dataset": {"thinking": "sometimes"}}, "dataset.thinking", "'always' or 'never'"),
+    ],
+)
+def test_bad_values_name_file_and_key(tmp_path, model_dir, tables, key, words):
+    path = write(tmp_path, {**base(model_dir), **tables})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert str(path) in message
+    assert f"  {key}: " in message
+    assert words in message
+
+
+def test_missing_model_path_fails_at_load(tmp_path):
+    path = write(tmp_path, {"storage": {"url": "out"}, "model": {"path": "nowhere"}})
+    with pytest.raises(ConfigError, match=r"model\.path: no such path: .*nowhere"):
+        load_config(path, env={})
+
+
+def test_missing_required_section_is_named(tmp_path, model_dir):
+    path = write(tmp_path, {"model": {"path": str(model_dir)}})
+    with pytest.raises(ConfigError, match=r"storage: required key is missing"):
+        load_config(path, env={})
+
+
+def test_invalid_toml_names_the_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[model\npath = 1")
+    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+        load_config(path, env={})
+
+
+def test_environment_overrides_broker_and_storage(tmp_path, model_dir):
+    env = {BROKER_URL_ENV: "redis://10.0.0.5:6379/2", STORAGE_URL_ENV: str(tmp_path / "elsewhere")}
+    config = load_config(write(tmp_path, base(model_dir)), env=env)
+    assert config.broker.url == "redis://10.0.0.5:6379/2"
+    assert config.storage.url == str(tmp_path / "elsewhere")
+
+
+def test_broker_url_must_be_redis(tmp_path, model_dir):
+    path = write(tmp_path, {**base(model_dir), "broker": {"url": "amqp://guest@localhost//"}})
+    with pytest.raises(ConfigError, match="redis://"):
+        load_config(path, env={})
+
+
+def test_fingerprint_tracks_output_settings_not_locations(tmp_path, model_dir):
+    config = load_config(write(tmp_path, base(model_dir)), env={})
+    original = config.fingerprint()
+    moved = load_config(write(tmp_path, base(model_dir)), env={STORAGE_URL_ENV: "/elsewhere", BROKER_URL_ENV: "redis://x:1/0"})
+    assert moved.fingerprint() == original
+    hotter = config.with_overrides(generate={"sampling": {**config.generate.sampling.model_dump(), "temperature": 1.0}})
+    assert hotter.fingerprint() != original
+    (model_dir / "config.json").write_text('{"num_hidden_layers": 8}')
+    assert load_config(write(tmp_path, base(model_dir)), env={}).fingerprint() != original
+
+
+def test_shipped_configs_parse(tmp_path):
+    """Every config in worker_configs/ is valid apart from model paths that only exist on their machines."""
+    for path in sorted((REPO / "worker_configs").glob("*.toml")):
+        try:
+            load_config(path, env={})
+        except ConfigError as exc:
+            lines = str(exc).splitlines()[1:]
+            assert all("no such path" in line for line in lines), str(exc)
