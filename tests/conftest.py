@@ -10,6 +10,8 @@ import pytest
 import redis
 
 from dflash_queue.config import Config, load_config
+from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
 from dflash_queue.testing.configs import tiny_config_tables, write_config
 from dflash_queue.testing.tiny_model import build_tiny_model
@@ -48,3 +50,29 @@ def make_config(tmp_path: Path, tiny_model: Path, redis_url: str) -> Callable[..
         return load_config(write_config(tmp_path / name, tables, **overrides))
 
     return make
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start real `dflash-queue worker` subprocesses; each is stopped (warmly, then killed) at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(config: Config, lane: str, *, wait: bool = True, extra_args: tuple[str, ...] = (), env: dict | None = None) -> WorkerProcess:
+        name = f"{lane}-{len(started)}@{tmp_path.name[:40]}"
+        worker = WorkerProcess(
+            lane,
+            Path(config.source),
+            {**os.environ, **(env or {})},
+            tmp_path / "logs" / f"{lane}-{len(started)}.log",
+            hostname=name,
+            extra_args=extra_args,
+        )
+        started.append(worker)
+        if wait:
+            worker.wait_ready(configure_app(config), timeout=180)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop(timeout=30)
+

@@ -557,7 +557,7 @@ def _build_model(tokenizer, params: dict[str, Any]):
         direction = _unit(states.mean(0))
         along = (states @ direction).mean()
         for token_id in (endoftext_id, im_start_id):
-            weight[token_id] = (direction * (_SUPPRESSED_MEAN_LOGIT / along)).to(weight.dtype)
+            weight[token_id] = _quantize(direction * (_SUPPRESSED_MEAN_LOGIT / along)).to(weight.dtype)
 
         # EOS: sample from the model with EOS masked, then scale the EOS row (along the mean on-policy hidden
         # state) so the mean per-step EOS probability over those states is the requested one.
@@ -567,12 +567,20 @@ def _build_model(tokenizer, params: dict[str, Any]):
         states, rest_lse = _sampled_states(model, prompts, eos_id, generator)
         direction = _unit(states.mean(0))
         scale = _solve_eos_scale(states @ direction, rest_lse, params["eos_stop_probability"])
-        weight[eos_id] = (direction * scale).to(weight.dtype)
+        weight[eos_id] = _quantize(direction * scale).to(weight.dtype)
     return model
 
 
 def _unit(vector):
     return vector / vector.norm()
+
+
+def _quantize(values, step: float = 2.0**-10):
+    """Round to a coarse grid, so the last-bit differences of reductions run with other thread counts (which
+    change the summation order) almost never reach the saved bytes."""
+    import torch
+
+    return torch.round(values / step) * step
 
 
 def _teacher_forced_states(model, token_ids: list[int], chunk: int = 128):

