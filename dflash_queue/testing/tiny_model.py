@@ -559,15 +559,22 @@ def _build_model(tokenizer, params: dict[str, Any]):
         for token_id in (endoftext_id, im_start_id):
             weight[token_id] = _quantize(direction * (_SUPPRESSED_MEAN_LOGIT / along)).to(weight.dtype)
 
-        # EOS: sample from the model with EOS masked, then scale the EOS row (along the mean on-policy hidden
-        # state) so the mean per-step EOS probability over those states is the requested one.
+        # EOS: sample from the model at temperature 1 with EOS masked. Conditioned on not having stopped, a
+        # real generation follows exactly this distribution, so the per-step EOS probability along these
+        # trajectories determines the length distribution. Fit the EOS row by least squares so that its
+        # logit tracks the log-sum-exp of the other logits plus logit(p) (a constant EOS probability, hence
+        # roughly geometric lengths, rather than a few "sticky" states that never stop), then shift it
+        # along the mean hidden state until the mean probability is exactly the requested one.
+        target = params["eos_stop_probability"]
         weight[eos_id] = 0.0
         prompts = _calibration_prompts(tokenizer, corpus_ids)
         generator = torch.Generator().manual_seed(params["seed"])
         states, rest_lse = _sampled_states(model, prompts, eos_id, generator)
+        wanted_logit = rest_lse + math.log(target / (1.0 - target))
+        row = torch.linalg.lstsq(states, wanted_logit.unsqueeze(1)).solution.squeeze(1)
         direction = _unit(states.mean(0))
-        scale = _solve_eos_scale(states @ direction, rest_lse, params["eos_stop_probability"])
-        weight[eos_id] = _quantize(direction * scale).to(weight.dtype)
+        offset = _solve_offset(states @ row - rest_lse, states @ direction, target)
+        weight[eos_id] = _quantize(row + offset * direction).to(weight.dtype)
     return model
 
 
@@ -635,25 +642,30 @@ def _step(model, input_ids, cache):
     return out.last_hidden_state[:, -1], out.past_key_values
 
 
-def _solve_eos_scale(alignment, rest_lse, target: float) -> float:
-    """Scale ``s`` with mean(sigmoid(s * alignment - rest_lse)) == target, rounded to 4 significant digits."""
+def _solve_offset(base, slope, target: float) -> float:
+    """Offset ``c`` with mean(sigmoid(base + c * slope)) == target, rounded to 4 significant digits.
+
+    ``slope`` (the alignment of each state with the mean state) is positive almost everywhere, so the mean is
+    increasing in ``c``.
+    """
     import torch
 
-    def mean_prob(scale: float) -> float:
-        return float(torch.sigmoid(scale * alignment - rest_lse).mean())
+    def mean_prob(offset: float) -> float:
+        return float(torch.sigmoid(base + offset * slope).mean())
 
-    low, high = 0.0, 1.0
-    if mean_prob(low) >= target:
-        return 0.0
+    low, high = -1.0, 1.0
+    while mean_prob(low) > target:
+        low *= 2.0
+        if low < -1e6:
+            raise RuntimeError("could not calibrate the EOS probability")
     while mean_prob(high) < target:
-        low, high = high, high * 2.0
+        high *= 2.0
         if high > 1e6:
             raise RuntimeError("could not calibrate the EOS probability")
-    for _ in range(60):
+    for _ in range(80):
         mid = 0.5 * (low + high)
         if mean_prob(mid) < target:
             low = mid
         else:
             high = mid
-    scale = 0.5 * (low + high)
-    return float(f"{scale:.4g}")
+    return float(f"{0.5 * (low + high):.4g}")
