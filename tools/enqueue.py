@@ -1,0 +1,15 @@
+#!/usr/bin/env python
+"""Stage a dataset and enqueue its shards: `dflash-queue enqueue` as a script.
+
+    python tools/enqueue.py DATASET... -c CONFIG
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash_queue.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    main(["enqueue", *sys.argv[1:]], prog_name="enqueue.py")
