@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_queue.cli import main  # noqa: E402
+from dflash_queue.cli.pipeline import enqueue  # noqa: E402
 
 if __name__ == "__main__":
-    main(["enqueue", *sys.argv[1:]], prog_name="enqueue.py")
+    enqueue(prog_name="enqueue.py")

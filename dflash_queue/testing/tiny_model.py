@@ -2,19 +2,26 @@
 
 ``build_tiny_model(out_dir)`` writes a ``Qwen3ForCausalLM`` checkpoint (float32 safetensors), a byte-level
 BPE tokenizer trained on an embedded corpus, a Qwen3-style chat template and a generation config. Nothing is
-downloaded. The same arguments give byte-identical files on the same machine and software versions.
+downloaded.
 
-The weights are random except for a few output-embedding rows:
+The weights are random except for the output-embedding (``lm_head``) rows, calibrated on the model's own
+temperature-1.0 samples:
 
-* the ``<|im_end|>`` row (the EOS token) points along the mean direction of the model's own final hidden
-  states, scaled so that the mean per-step probability of EOS while sampling at temperature 1.0 is
-  ``eos_stop_probability``. Completions therefore stop after roughly geometric, long-tailed lengths with a
-  mean of about ``1 / eos_stop_probability`` tokens;
-* the ``<|endoftext|>`` and ``<|im_start|>`` rows point the opposite way, so those tokens are (almost)
-  never generated, like in a trained chat model;
-* the remaining rows are drawn with a larger standard deviation than the rest of the network, so the
-  next-token distributions are peaked (top-1 probability often well above a uniform guess), which keeps
-  greedy decoding and speculative-decoding acceptance rates away from the degenerate uniform case.
+* ordinary rows are drawn with a larger standard deviation than the rest of the network (logit std
+  ``LOGIT_STD``), so next-token distributions are peaked (on-policy top-1 probability ~0.15-0.2 rather
+  than 1/vocab), which keeps sampling, greedy decoding and speculative-decoding acceptance away from the
+  degenerate uniform case;
+* the ``<|im_end|>`` (EOS) row is a least-squares fit whose logit tracks the log-sum-exp of the other
+  logits, plus a multiple of a fitted "bias" row (logit ~1 everywhere) chosen so that the mean per-step
+  EOS probability over sampled states is ``eos_stop_probability``. Completions stop after long-tailed, roughly geometric lengths; with
+  the default p=0.03 the mean is ~40-65 tokens (somewhat above 1/p, because the stop probability still
+  varies between states and long samples drift into states where it is lower) and a few percent run past
+  500 tokens. Greedy decoding seldom picks EOS and mostly runs to the length limit;
+* the ``<|endoftext|>`` and ``<|im_start|>`` rows get the same treatment with a per-step probability of
+  1e-6, so a trained chat model's never-emitted tokens are (almost) never emitted here either.
+
+Byte-identical output for the same arguments holds on the same machine and software versions; the
+calibrated rows are rounded to a 2**-10 grid so that, in practice, the torch thread count does not matter.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ HEAD_DIM = 64
 MAX_POSITION_EMBEDDINGS = 4096
 ROPE_THETA = 1_000_000.0
 #: Standard deviation of the output logits of ordinary tokens (before the EOS row is calibrated).
-LOGIT_STD = 3.0
+LOGIT_STD = 2.5
 
 #: (content, special) in id order, appended after the BPE vocabulary the way Qwen3 does it. ``special``
 #: follows Qwen3: ``<think>``/``</think>`` and the tool tags are added tokens that are *not* special, so
@@ -499,11 +506,13 @@ def _build_tokenizer():
 # Model
 
 # Calibration sampling: this many sequences of this many sampled tokens after fixed-length chat prompts.
-_CALIBRATION_SEQUENCES = 32
-_CALIBRATION_STEPS = 128
+_CALIBRATION_SEQUENCES = 48
+_CALIBRATION_STEPS = 192
 _CALIBRATION_PROMPT_TOKENS = 16
-# Mean logit given to <|endoftext|> and <|im_start|> (other logits have mean 0 and std LOGIT_STD).
-_SUPPRESSED_MEAN_LOGIT = -12.0
+# Mean per-step probability of <|endoftext|> and of <|im_start|> (never emitted by a trained chat model).
+_SUPPRESSED_PROBABILITY = 1e-6
+# Norm of the component added to every token embedding, relative to the mean norm of an embedding.
+_SHARED_EMBEDDING_SCALE = 0.3
 
 
 def _build_model(tokenizer, params: dict[str, Any]):
@@ -547,39 +556,45 @@ def _build_model(tokenizer, params: dict[str, Any]):
     )
 
     with torch.no_grad():
+        # A component shared by every token embedding (trained models have one too). It gives the final hidden
+        # states a common direction even with very few layers, which the EOS calibration below relies on.
+        embeddings = model.model.embed_tokens.weight  # [vocab, hidden]
+        shared = torch.randn(hidden)
+        shared *= _SHARED_EMBEDDING_SCALE * embeddings.norm(dim=1).mean() / shared.norm()
+        embeddings += shared
+
         weight = model.lm_head.weight  # [vocab, hidden]
         # Peaked next-token distributions: the final RMSNorm makes |h| ~ sqrt(hidden).
         weight.normal_(0.0, LOGIT_STD / math.sqrt(hidden))
 
-        # Rare special tokens: point their rows against the mean hidden state on the corpus.
+        # Sample from the model at temperature 1 with EOS, <|endoftext|> and <|im_start|> masked out.
+        # Conditioned on not having stopped, a real generation follows exactly this distribution, so the
+        # per-step EOS probability along these trajectories determines the length distribution.
+        special_ids = [eos_id, endoftext_id, im_start_id]
+        weight[special_ids] = 0.0
         corpus_ids = tokenizer.encode(TINY_CORPUS, add_special_tokens=False)
-        states = _teacher_forced_states(model, corpus_ids)
-        direction = _unit(states.mean(0))
-        along = (states @ direction).mean()
-        for token_id in (endoftext_id, im_start_id):
-            weight[token_id] = _quantize(direction * (_SUPPRESSED_MEAN_LOGIT / along)).to(weight.dtype)
-
-        # EOS: sample from the model at temperature 1 with EOS masked. Conditioned on not having stopped, a
-        # real generation follows exactly this distribution, so the per-step EOS probability along these
-        # trajectories determines the length distribution. Fit the EOS row by least squares so that its
-        # logit tracks the log-sum-exp of the other logits plus logit(p) (a constant EOS probability, hence
-        # roughly geometric lengths, rather than a few "sticky" states that never stop), then shift it
-        # along the mean hidden state until the mean probability is exactly the requested one.
-        target = params["eos_stop_probability"]
-        weight[eos_id] = 0.0
         prompts = _calibration_prompts(tokenizer, corpus_ids)
         generator = torch.Generator().manual_seed(params["seed"])
-        states, rest_lse = _sampled_states(model, prompts, eos_id, generator)
-        wanted_logit = rest_lse + math.log(target / (1.0 - target))
-        row = torch.linalg.lstsq(states, wanted_logit.unsqueeze(1)).solution.squeeze(1)
-        direction = _unit(states.mean(0))
-        offset = _solve_offset(states @ row - rest_lse, states @ direction, target)
-        weight[eos_id] = _quantize(row + offset * direction).to(weight.dtype)
+        states, rest_lse = _sampled_states(model, prompts, special_ids, generator)
+
+        # Least squares gives a row whose logit tracks the log-sum-exp of the other logits, and a "bias" row
+        # whose logit is as close to 1 as possible in every state (the head has no bias). A special token
+        # with row ``lse_row + offset * bias_row`` then has roughly the same probability in every state,
+        # which gives roughly geometric lengths instead of a few "sticky" states that never stop. The offset
+        # is solved by bisection so that the mean probability over the sampled states is the requested one.
+        # (With very few layers no good bias row exists and the probabilities vary more between states.)
+        fit = torch.linalg.lstsq(states, torch.stack([rest_lse, torch.ones_like(rest_lse)], dim=1)).solution
+        lse_row, bias_row = fit[:, 0], fit[:, 1]
+        residual = states @ lse_row - rest_lse
+        slope = states @ bias_row
+        for token_id, probability, strict in (
+            (eos_id, params["eos_stop_probability"], True),
+            (endoftext_id, _SUPPRESSED_PROBABILITY, False),
+            (im_start_id, _SUPPRESSED_PROBABILITY, False),
+        ):
+            offset = _solve_offset(residual, slope, probability, strict=strict)
+            weight[token_id] = _quantize(lse_row + offset * bias_row).to(weight.dtype)
     return model
-
-
-def _unit(vector):
-    return vector / vector.norm()
 
 
 def _quantize(values, step: float = 2.0**-10):
@@ -588,16 +603,6 @@ def _quantize(values, step: float = 2.0**-10):
     import torch
 
     return torch.round(values / step) * step
-
-
-def _teacher_forced_states(model, token_ids: list[int], chunk: int = 128):
-    """Final (normed) hidden states of the model over ``token_ids`` cut into ``chunk``-token sequences."""
-    import torch
-
-    usable = len(token_ids) // chunk * chunk
-    ids = torch.tensor(token_ids[:usable], dtype=torch.long).view(-1, chunk)
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-    return hidden.reshape(-1, hidden.shape[-1]).double()
 
 
 def _calibration_prompts(tokenizer, corpus_ids: list[int]):
@@ -615,11 +620,11 @@ def _calibration_prompts(tokenizer, corpus_ids: list[int]):
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _sampled_states(model, prompts, eos_id: int, generator):
-    """Sample continuations at temperature 1 with EOS masked out.
+def _sampled_states(model, prompts, masked_ids: list[int], generator):
+    """Sample continuations at temperature 1 with ``masked_ids`` never chosen.
 
     Returns the final hidden state at every sampled step ([sequences * steps, hidden], float64) and the
-    log-sum-exp of the logits of every token except EOS at that step.
+    log-sum-exp of the logits of every token except ``masked_ids`` at that step.
     """
     import torch
 
@@ -627,7 +632,7 @@ def _sampled_states(model, prompts, eos_id: int, generator):
     states, lses = [], []
     for _ in range(_CALIBRATION_STEPS):
         logits = model.lm_head(hidden).double()
-        logits[:, eos_id] = float("-inf")
+        logits[:, masked_ids] = float("-inf")
         states.append(hidden.double())
         lses.append(torch.logsumexp(logits, dim=-1))
         probs = torch.softmax(logits, dim=-1)
@@ -642,27 +647,23 @@ def _step(model, input_ids, cache):
     return out.last_hidden_state[:, -1], out.past_key_values
 
 
-def _solve_offset(base, slope, target: float) -> float:
-    """Offset ``c`` with mean(sigmoid(base + c * slope)) == target, rounded to 4 significant digits.
+def _solve_offset(base, slope, target: float, *, strict: bool, limit: float = 64.0) -> float:
+    """Offset ``c`` in [-limit, limit] with mean(sigmoid(base + c * slope)) == target, to 4 significant digits.
 
-    ``slope`` (the alignment of each state with the mean state) is positive almost everywhere, so the mean is
-    increasing in ``c``.
+    ``slope`` is close to 1 in most states, so the mean increases with ``c``. When the target cannot be reached
+    inside the limits, return the nearest limit, or raise if ``strict``.
     """
     import torch
 
     def mean_prob(offset: float) -> float:
         return float(torch.sigmoid(base + offset * slope).mean())
 
-    low, high = -1.0, 1.0
-    while mean_prob(low) > target:
-        low *= 2.0
-        if low < -1e6:
-            raise RuntimeError("could not calibrate the EOS probability")
-    while mean_prob(high) < target:
-        high *= 2.0
-        if high > 1e6:
-            raise RuntimeError("could not calibrate the EOS probability")
-    for _ in range(80):
+    low, high = -limit, limit
+    if mean_prob(low) > target or mean_prob(high) < target:
+        if strict:
+            raise RuntimeError(f"cannot calibrate a mean token probability of {target} for this model")
+        return low if mean_prob(low) > target else high
+    for _ in range(60):
         mid = 0.5 * (low + high)
         if mean_prob(mid) < target:
             low = mid
