@@ -4,21 +4,24 @@
 BPE tokenizer trained on an embedded corpus, a Qwen3-style chat template and a generation config. Nothing is
 downloaded.
 
-The weights are random except for the output-embedding (``lm_head``) rows, calibrated on the model's own
-temperature-1.0 samples:
+The weights are random (transformers' default initialisation, seeded), with three changes:
 
-* ordinary rows are drawn with a larger standard deviation than the rest of the network (logit std
-  ``LOGIT_STD``), so next-token distributions are peaked (on-policy top-1 probability ~0.15-0.2 rather
-  than 1/vocab), which keeps sampling, greedy decoding and speculative-decoding acceptance away from the
-  degenerate uniform case;
-* the ``<|im_end|>`` (EOS) row is a least-squares fit whose logit tracks the log-sum-exp of the other
-  logits, plus a multiple of a fitted "bias" row (logit ~1 everywhere) chosen so that the mean per-step
-  EOS probability over sampled states is ``eos_stop_probability``. Completions stop after long-tailed, roughly geometric lengths; with
-  the default p=0.03 the mean is ~40-65 tokens (somewhat above 1/p, because the stop probability still
-  varies between states and long samples drift into states where it is lower) and a few percent run past
-  500 tokens. Greedy decoding seldom picks EOS and mostly runs to the length limit;
-* the ``<|endoftext|>`` and ``<|im_start|>`` rows get the same treatment with a per-step probability of
-  1e-6, so a trained chat model's never-emitted tokens are (almost) never emitted here either.
+* every token embedding shares a common random component (``_SHARED_EMBEDDING_SCALE`` times the mean
+  embedding norm; trained models have such a component too). It gives the final hidden states a common
+  direction, which acts as the bias the output head lacks and lets the EOS calibration below work even
+  with one or two layers. It also makes next-token distributions depend less on the context;
+* ordinary ``lm_head`` rows are drawn with a larger standard deviation than the rest of the network
+  (logit std ``LOGIT_STD``), so next-token distributions are peaked (on-policy top-1 probability
+  ~0.1-0.3 depending on the seed, rather than 1/vocab);
+* the ``<|im_end|>`` (EOS) row is calibrated on the model's own temperature-1.0 samples: a least-squares
+  fit whose logit tracks the log-sum-exp of the other logits plus a multiple of a fitted "bias" row
+  (logit ~1 in every state), the multiple chosen so that the mean per-step EOS probability over the
+  sampled states is ``eos_stop_probability``. The per-step probability then barely varies between states,
+  so sampled completions have roughly geometric lengths with mean ~1/p (for p=0.03: mean ~34 tokens,
+  ~14% longer than 64 tokens, well under 1% longer than 256). Greedy decoding seldom picks EOS (its
+  probability is rarely the largest) and mostly runs to the length limit. ``<|endoftext|>`` and
+  ``<|im_start|>`` rows get the same treatment with a per-step probability of 1e-6, so, as in a trained
+  chat model, they are practically never generated.
 
 Byte-identical output for the same arguments holds on the same machine and software versions; the
 calibrated rows are rounded to a 2**-10 grid so that, in practice, the torch thread count does not matter.
@@ -404,7 +407,7 @@ def _check_existing(out_dir: Path, params: dict[str, Any]) -> None:
     if marker != params:
         raise FileExistsError(
             f"{out_dir} holds a tiny-model build with other parameters ({marker}, wanted {params}); "
-            "pass overwrite=True to replace it"
+            "pass overwrite=True (--overwrite) to replace it"
         )
 
 
@@ -434,8 +437,16 @@ def _build_into(path: Path, params: dict[str, Any]) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(params["seed"])
         model = _build_model(tokenizer, params)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    from transformers.utils import logging as hf_logging
+
+    progress_bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar for a 6 MB file
+    try:
+        model.save_pretrained(path, safe_serialization=True)
+        tokenizer.save_pretrained(path)
+    finally:
+        if progress_bars:
+            hf_logging.enable_progress_bar()
     # transformers 5 records its new class name ("TokenizersBackend"); the old alias loads in 4.x and 5.x
     # alike and, unlike a model-specific class such as Qwen2Tokenizer, uses tokenizer.json as it is.
     config_path = path / "tokenizer_config.json"
@@ -512,7 +523,7 @@ _CALIBRATION_PROMPT_TOKENS = 16
 # Mean per-step probability of <|endoftext|> and of <|im_start|> (never emitted by a trained chat model).
 _SUPPRESSED_PROBABILITY = 1e-6
 # Norm of the component added to every token embedding, relative to the mean norm of an embedding.
-_SHARED_EMBEDDING_SCALE = 0.3
+_SHARED_EMBEDDING_SCALE = 0.5
 
 
 def _build_model(tokenizer, params: dict[str, Any]):
@@ -578,11 +589,11 @@ def _build_model(tokenizer, params: dict[str, Any]):
         states, rest_lse = _sampled_states(model, prompts, special_ids, generator)
 
         # Least squares gives a row whose logit tracks the log-sum-exp of the other logits, and a "bias" row
-        # whose logit is as close to 1 as possible in every state (the head has no bias). A special token
-        # with row ``lse_row + offset * bias_row`` then has roughly the same probability in every state,
-        # which gives roughly geometric lengths instead of a few "sticky" states that never stop. The offset
-        # is solved by bisection so that the mean probability over the sampled states is the requested one.
-        # (With very few layers no good bias row exists and the probabilities vary more between states.)
+        # whose logit is as close to 1 as possible in every state (the head has no bias; the shared embedding
+        # component makes a good one exist). A special token with row ``lse_row + offset * bias_row`` then
+        # has roughly the same probability in every state, which gives roughly geometric lengths instead of
+        # a few "sticky" states that never stop. The offset is solved by bisection so that the mean
+        # probability over the sampled states is the requested one.
         fit = torch.linalg.lstsq(states, torch.stack([rest_lse, torch.ones_like(rest_lse)], dim=1)).solution
         lse_row, bias_row = fit[:, 0], fit[:, 1]
         residual = states @ lse_row - rest_lse
@@ -630,14 +641,14 @@ def _sampled_states(model, prompts, masked_ids: list[int], generator):
 
     hidden, cache = _step(model, prompts, None)
     states, lses = [], []
-    for _ in range(_CALIBRATION_STEPS):
+    for step in range(_CALIBRATION_STEPS):
         logits = model.lm_head(hidden).double()
         logits[:, masked_ids] = float("-inf")
         states.append(hidden.double())
         lses.append(torch.logsumexp(logits, dim=-1))
-        probs = torch.softmax(logits, dim=-1)
-        next_ids = torch.multinomial(probs, 1, generator=generator)
-        hidden, cache = _step(model, next_ids, cache)
+        if step + 1 < _CALIBRATION_STEPS:
+            next_ids = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
+            hidden, cache = _step(model, next_ids, cache)
     return torch.cat(states), torch.cat(lses)
 
 
