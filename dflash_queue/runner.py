@@ -15,6 +15,7 @@ from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import EnqueueReport, Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
 from dflash_queue.storage.keys import SHARDS
@@ -57,6 +58,21 @@ class RunSummary:
         return lines
 
 
+def stop_workers(workers: list[WorkerProcess], console: Console, timeout: float) -> None:
+    """Warm shutdown (running tasks finish); a second Ctrl-C kills them, and their tasks are requeued."""
+    for worker in workers:
+        worker.terminate()
+    try:
+        if any(worker.alive() for worker in workers):
+            console.print("stopping workers: running tasks finish first (Ctrl-C again to stop at once)")
+        for worker in workers:
+            worker.stop(timeout=timeout)
+    except KeyboardInterrupt:
+        for worker in workers:
+            worker.kill()
+        raise
+
+
 def run_single_box(
     config_path: Path,
     config: Config,
@@ -74,14 +90,20 @@ def run_single_box(
             stack.callback(server.stop)
             config = config.with_overrides(broker={"url": server.url})
             console.print(f"started a private redis-server on {server.url} (AOF in {server.directory})")
-        configure_app(config)
+            app = configure_app(config)
+            # Nobody else consumes from a private broker: anything unacked belongs to workers of an earlier,
+            # interrupted run. Put it back now rather than after the visibility timeout.
+            restored = restore_unacked(app)
+            if restored:
+                console.print(f"requeued {restored} unfinished task(s) of an earlier run")
+        else:
+            configure_app(config)
         ledger = Ledger.from_url(config.broker.url, config.run.name)
         before = ledger.counters()
 
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
         workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in LANES]
-        for worker in workers:
-            stack.callback(worker.stop)
+        stack.callback(stop_workers, workers, console, config.broker.task_timeout_s)
         console.print(f"started workers: {', '.join(f'{w.lane} (pid {w.process.pid})' for w in workers)}")
 
         progress = Progress(

@@ -130,3 +130,40 @@ def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert "3 were already done" in rerun.stdout
     assert "tokens generated:  0 " in rerun.stdout
+
+
+def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_path):
+    """First Ctrl-C: warm shutdown; second: workers killed. Nothing is left running, and the next run
+    requeues what was in flight and completes every shard."""
+    import signal
+    import time
+
+    from dflash_queue.testing.configs import tiny_config_tables, write_config
+
+    tables = tiny_config_tables(tiny_model, tmp_path / "out", "", tmp_path / "state")
+    config_path = write_config(tmp_path / "run.toml", tables, **{"generate.sampling": {"max_tokens": 400}})
+    dataset = first_lines(SAMPLE, 50, tmp_path / "prompts.jsonl")
+    command = [sys.executable, "-m", "dflash_queue", "run", str(dataset), "-c", str(config_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    generate_log = tmp_path / "state" / "logs" / "generate.log"
+    deadline = time.monotonic() + 120
+    while not (generate_log.exists() and "Task dfq.generate" in generate_log.read_text()):
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "the generate worker never started a task"
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert "interrupted" in stderr
+    for marker in (str(config_path), str(tmp_path / "state" / "redis")):
+        leftovers = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        assert leftovers.strip() == "", f"processes left running: {leftovers}"
+
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    shards = sorted((tmp_path / "out" / "shards").glob("*.safetensors"))
+    assert len(shards) == 7
+    ids = [i for path in shards for i in TrainingShard(path).sample_ids]
+    assert len(ids) == len(set(ids)) == 50
