@@ -50,15 +50,20 @@ def status(config_path: Path, as_json: bool, watch: bool, interval: float, windo
     if not watch:
         console.print(status_table(snapshot()))
         return
-    from rich.live import Live
+    try:
+        if console.is_terminal:
+            from rich.live import Live
 
-    with Live(status_table(snapshot()), console=console, auto_refresh=False) as live:
-        try:
+            with Live(status_table(snapshot()), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(status_table(snapshot()), refresh=True)
+        else:  # a log or a pipe: one table after another
             while True:
+                console.print(status_table(snapshot()))
                 time.sleep(interval)
-                live.update(status_table(snapshot()), refresh=True)
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
 
 
 @click.command()

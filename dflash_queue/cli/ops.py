@@ -12,7 +12,7 @@ from dflash_queue.cli.common import config_option, load
 from dflash_queue.errors import ConfigError
 
 
-def _groups(value: str | None) -> tuple[tuple[int, ...], ...]:
+def _groups(value: str | None, option: str) -> tuple[tuple[int, ...], ...]:
     from dflash_queue.ops.gpus import parse_gpu_groups
 
     if not value:
@@ -20,7 +20,7 @@ def _groups(value: str | None) -> tuple[tuple[int, ...], ...]:
     try:
         return parse_gpu_groups(value)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint=option) from None
 
 
 @click.group()
@@ -78,7 +78,9 @@ def systemd_install(
             node_gpus = parse_gpu_list(gpus)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--gpus") from None
-    layout = UnitLayout(generate=_groups(generate_groups), extract=_groups(extract_groups), flower=flower)
+    layout = UnitLayout(
+        generate=_groups(generate_groups, "--generate"), extract=_groups(extract_groups, "--extract"), flower=flower
+    )
     settings = InstallSettings(
         config_path=config_path.resolve(),
         env_file=(env_file or DEFAULT_ENV_FILE).resolve(),
@@ -90,6 +92,8 @@ def systemd_install(
         report = install_units(config, layout, settings, dest, node_gpus=node_gpus, force_env=force_env)
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the units: {exc} (run as root, or choose --dest/--env-file)") from None
     for line in report.lines():
         click.echo(line)
 

@@ -55,6 +55,7 @@ def plan(
     """
     from transformers import AutoTokenizer
 
+    from dflash_queue.ops import humanize
     from dflash_queue.ops.plan_report import PlanInputs, Throughput, build_plan, render_plan
     from dflash_queue.ops.planner import (
         DEFAULT_PLAIN_TOKENS,
@@ -82,17 +83,19 @@ def plan(
     plain_tokens = plain_tokens or DEFAULT_PLAIN_TOKENS
     output = policy_output_tokens(stats.thinking_share, max_tokens, thinking_tokens=thinking_tokens, plain_tokens=plain_tokens)
     source = f"thinking {thinking_tokens:,} / plain {plain_tokens:,}, capped at max_tokens {max_tokens:,}"
-    generate = [Throughput(f"{t:,.0f} tok/s", t) for t in (tokens_per_s or DEFAULT_THROUGHPUTS)]
-    extract = [Throughput(f"{t:,.0f} tok/s", t) for t in extract_tokens_per_s]
+    generate = [Throughput(humanize.rate(t, "tok"), t) for t in (tokens_per_s or DEFAULT_THROUGHPUTS)]
+    extract = [Throughput(humanize.rate(t, "tok"), t) for t in extract_tokens_per_s]
     if measured:
         run = _measured(config)
         if run.output_tokens_per_sample is not None:
             output = run.output_tokens_per_sample
             source = f"measured over {run.samples:,} generated samples"
         if run.generate_tokens_per_s:
-            generate.append(Throughput(f"measured {run.generate_tokens_per_s:,.0f} tok/s", run.generate_tokens_per_s))
+            label = f"measured {humanize.rate(run.generate_tokens_per_s, 'tok')}"
+            generate.append(Throughput(label, run.generate_tokens_per_s))
         if run.extract_tokens_per_s:
-            extract.append(Throughput(f"measured {run.extract_tokens_per_s:,.0f} tok/s", run.extract_tokens_per_s))
+            label = f"measured {humanize.rate(run.extract_tokens_per_s, 'tok')}"
+            extract.append(Throughput(label, run.extract_tokens_per_s))
 
     result = build_plan(
         PlanInputs(

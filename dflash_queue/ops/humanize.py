@@ -42,3 +42,8 @@ def duration(seconds: float | None) -> str:
     if seconds < 48 * 3600:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:.1f} days"
+
+
+def hours(h: float) -> str:
+    """GPU-hours: whole hours once they matter, two significant digits below."""
+    return f"{h:,.0f}" if h >= 10 else f"{h:.2g}"

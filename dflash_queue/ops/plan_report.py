@@ -119,7 +119,7 @@ def render_plan(plan: dict) -> Group:
         for row in plan[lane]:
             table.add_row(
                 f"{row['label']}",
-                *(f"{humanize.duration(r['wall_s'])} · {r['gpu_hours']:,.0f} GPU-h" for r in row["runs"]),
+                *(f"{humanize.duration(r['wall_s'])} · {humanize.hours(r['gpu_hours'])} GPU-h" for r in row["runs"]),
             )
         parts.append(Text(""))
         parts.append(table)

@@ -162,20 +162,24 @@ def collect_status(
 ) -> RunStatus:
     """A snapshot of the run. `workers` skips the control broadcast (given by a caller that already asked)."""
     now = time.time() if now is None else now
+    # Redis first: an unreachable broker fails here, fast, instead of inside a control broadcast that retries.
     client = redis.Redis.from_url(config.broker.url, decode_responses=True, socket_connect_timeout=5)
-    ledger = Ledger(client, config.run.name)
+    try:
+        ledger = Ledger(client, config.run.name)
+        counters = ledger.counters()
+        window = ledger.window(window_s, now=now)
+        states = ledger.states()
+        sizes = ledger.shard_sizes()
+        failures = ledger.failures()
+        unacked = unacked_by_queue(client)
+        dead = _dead_letter_source(client, config.run.name, counters)
+        depths = {lane: queue_depth(client, queue) for lane, queue in LANES.items()}
+    finally:
+        client.close()
     if workers is None:
         from dflash_queue.queue.app import configure_app
 
         workers = ask_workers(configure_app(config), inspect_timeout)
-
-    counters = ledger.counters()
-    window = ledger.window(window_s, now=now)
-    states = ledger.states()
-    sizes = ledger.shard_sizes()
-    failures = ledger.failures()
-    unacked = unacked_by_queue(client)
-    dead = _dead_letter_source(client, config.run.name, counters)
 
     lanes = {}
     for lane, queue in LANES.items():
@@ -184,7 +188,7 @@ def collect_status(
         pending = [s for s, st in states.items() if st in LANE_PENDING_STATES[lane]]
         status = LaneStatus(
             lane=lane,
-            queued=queue_depth(client, queue),
+            queued=depths[lane],
             reserved=unacked.get(queue, 0),
             running=workers.lane_running(queue),
             workers=workers.lane_workers(queue),
