@@ -119,7 +119,8 @@ def test_shipped_configs_parse(tmp_path):
 
 
 def test_flower_section_is_validated_and_its_db_resolved(tmp_path, model_dir):
-    config = load_config(write(tmp_path, {**base(model_dir), "flower": {"persistent": True, "db": "state/f.db"}}), env={})
+    tables = {**base(model_dir), "flower": {"persistent": True, "db": "state/f.db"}}
+    config = load_config(write(tmp_path, tables), env={})
     assert config.flower.db == str(tmp_path / "state" / "f.db")
     assert (config.flower.address, config.flower.port, config.flower.max_tasks) == ("127.0.0.1", 5555, 10000)
     for tables, key in (({"flower": {"port": 70000}}, "flower.port"), ({"flower": {"auth": "a:b"}}, "flower.auth")):

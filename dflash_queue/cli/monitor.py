@@ -86,7 +86,8 @@ def doctor(config_path: Path, as_json: bool, warn_below_gb: float, fail_below_gb
         for check in checks:
             console.print(
                 Text.assemble(
-                    (f"{check.verdict.upper():4}", VERDICT_STYLE[check.verdict]), f"  {check.name:<{width}}  {check.detail}"
+                    (f"{check.verdict.upper():4}", VERDICT_STYLE[check.verdict]),
+                    f"  {check.name:<{width}}  {check.detail}",
                 )
             )
         warned = sum(c.verdict == "warn" for c in checks)

@@ -93,7 +93,9 @@ def systemd_install(
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
-        raise click.ClickException(f"cannot write the units: {exc} (run as root, or choose --dest/--env-file)") from None
+        raise click.ClickException(
+            f"cannot write the units: {exc} (run as root, or choose --dest/--env-file)"
+        ) from None
     for line in report.lines():
         click.echo(line)
 

@@ -47,8 +47,12 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Tasks in flight.")
 @click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
-@click.option("--gpus", default=None, help="GPUs of this worker, e.g. 0 or 0-1 (a tensor-parallel group); sets CUDA_VISIBLE_DEVICES.")
-def worker(lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str, gpus: str | None) -> None:
+@click.option(
+    "--gpus", default=None, help="GPUs of this worker: 0, or 0-1 for a tensor-parallel group (CUDA_VISIBLE_DEVICES)."
+)
+def worker(
+    lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str, gpus: str | None
+) -> None:
     """Run a LANE worker: load the engine once, then consume the lane's queue until stopped (SIGTERM)."""
     if gpus is not None:
         from dflash_queue.ops.gpus import parse_gpu_group, visible_devices

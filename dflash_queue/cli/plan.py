@@ -21,7 +21,9 @@ from dflash_queue.cli.common import config_option, load
               help="Generated tokens/s per worker to compare (repeatable) [default: 160 and 1200].")
 @click.option("--extract-tokens-per-second", "extract_tokens_per_s", type=click.FloatRange(min=0, min_open=True),
               multiple=True, help="Extracted (prefill) tokens/s per worker to compare (repeatable).")
-@click.option("--subset", type=click.IntRange(min=1), multiple=True, help="Also plan for this many prompts (repeatable).")
+@click.option(
+    "--subset", type=click.IntRange(min=1), multiple=True, help="Also plan for this many prompts (repeatable)."
+)
 @click.option("--sample-size", type=click.IntRange(min=1), default=2000, show_default=True,
               help="Prompts tokenised to estimate prompt tokens.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the prompt sample.")
@@ -76,12 +78,15 @@ def plan(
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
     stats = count_prompts(config, list(datasets), tokenizer, sample_size=sample_size, seed=seed)
     if stats.prompts == 0:
-        raise click.ClickException(f"no valid prompts in {', '.join(map(str, datasets))} ({stats.bad_records} bad records)")
+        names = ", ".join(map(str, datasets))
+        raise click.ClickException(f"no valid prompts in {names} ({stats.bad_records} bad records)")
 
     max_tokens = config.generate.sampling.max_tokens
     thinking_tokens = thinking_tokens or DEFAULT_THINKING_TOKENS
     plain_tokens = plain_tokens or DEFAULT_PLAIN_TOKENS
-    output = policy_output_tokens(stats.thinking_share, max_tokens, thinking_tokens=thinking_tokens, plain_tokens=plain_tokens)
+    output = policy_output_tokens(
+        stats.thinking_share, max_tokens, thinking_tokens=thinking_tokens, plain_tokens=plain_tokens
+    )
     source = f"thinking {thinking_tokens:,} / plain {plain_tokens:,}, capped at max_tokens {max_tokens:,}"
     generate = [Throughput(humanize.rate(t, "tok"), t) for t in (tokens_per_s or DEFAULT_THROUGHPUTS)]
     extract = [Throughput(humanize.rate(t, "tok"), t) for t in extract_tokens_per_s]
@@ -125,7 +130,9 @@ def _measured(config):
     from dflash_queue.ops.planner import measured_from_counters
 
     if not config.broker.url:
-        raise click.ClickException("--measured reads the run's counters from the broker: set broker.url (or DFQ_BROKER_URL)")
+        raise click.ClickException(
+            "--measured reads the run's counters from the broker: set broker.url (or DFQ_BROKER_URL)"
+        )
     try:
         counters = Ledger.from_url(config.broker.url, config.run.name).counters()
     except redis.RedisError as exc:

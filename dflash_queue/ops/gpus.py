@@ -56,4 +56,6 @@ def parse_gpu_list(spec: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise ValueError(f"GPUs {spec!r}: expected a count (8) or a comma-separated list of indices (0,1,2,3)") from None
+        raise ValueError(
+            f"GPUs {spec!r}: expected a count (8) or a comma-separated list of indices (0,1,2,3)"
+        ) from None

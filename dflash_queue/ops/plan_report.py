@@ -42,12 +42,13 @@ def build_plan(inputs: PlanInputs) -> dict:
     total_tokens = stats.prompts * (prompt_tokens_per_prompt + output)
 
     def lane(throughputs: Sequence[Throughput], tokens_per_prompt: float) -> list[dict]:
+        gpus, per_worker = inputs.gpus, inputs.gpus_per_worker
         return [
             {
                 "label": t.label,
                 "tokens_per_s": t.tokens_per_s,
                 "runs": [
-                    asdict(schedule(n, tokens_per_prompt, t.tokens_per_s, gpus=inputs.gpus, gpus_per_worker=inputs.gpus_per_worker))
+                    asdict(schedule(n, tokens_per_prompt, t.tokens_per_s, gpus=gpus, gpus_per_worker=per_worker))
                     for n in populations
                 ],
             }
@@ -97,8 +98,12 @@ def render_plan(plan: dict) -> Group:
     facts = Table.grid(padding=(0, 2))
     facts.add_row("prompts", f"{plan['prompts']:,} ({skipped})")
     facts.add_row("prompt tokens", f"{humanize.count(pt['total'])} {error}; {pt['mean_per_prompt']:,.0f} per prompt")
-    facts.add_row("thinking", f"{plan['thinking']['share']:.0%} of prompts (dataset.thinking = {plan['thinking']['policy']})")
-    facts.add_row("output tokens", f"{out['per_prompt']:,.0f} per prompt ({out['source']}): {humanize.count(out['total'])} to generate")
+    thinking = plan["thinking"]
+    facts.add_row("thinking", f"{thinking['share']:.0%} of prompts (dataset.thinking = {thinking['policy']})")
+    facts.add_row(
+        "output tokens",
+        f"{out['per_prompt']:,.0f} per prompt ({out['source']}): {humanize.count(out['total'])} to generate",
+    )
     facts.add_row(
         "hidden states",
         f"K={hs['layers']} x hidden {hs['hidden_size']:,} over {humanize.count(hs['tokens'])} tokens: "
@@ -106,7 +111,8 @@ def render_plan(plan: dict) -> Group:
     )
     parts = [facts]
     workers = plan["gpus"] // plan["gpus_per_worker"]
-    for lane, what in (("generate", "generation (generated tokens)"), ("extract", "extraction (prompt + completion tokens)")):
+    lanes = (("generate", "generation (generated tokens)"), ("extract", "extraction (prompt + completion tokens)"))
+    for lane, what in lanes:
         if not plan[lane]:
             continue
         table = Table(

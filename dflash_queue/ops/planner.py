@@ -138,7 +138,9 @@ class Schedule:
     wall_s: float
 
 
-def schedule(prompts: int, tokens_per_prompt: float, tokens_per_s: float, *, gpus: int, gpus_per_worker: int = 1) -> Schedule:
+def schedule(
+    prompts: int, tokens_per_prompt: float, tokens_per_s: float, *, gpus: int, gpus_per_worker: int = 1
+) -> Schedule:
     """Time to process `prompts x tokens_per_prompt` tokens at `tokens_per_s` per worker, with one worker per
     `gpus_per_worker` GPUs (a tensor-parallel group is one worker)."""
     if tokens_per_s <= 0:

@@ -71,7 +71,9 @@ def test_installed_units_pass_systemd_analyze_verify(make_config, tmp_path):
         "dflash-extract@3.service",
         "dflash-flower.service",
     ]
-    result = verify(dest, "dflash-generate@0-1.service", "dflash-extract@3.service", "dflash-flower.service", "dflash.target")
+    result = verify(
+        dest, "dflash-generate@0-1.service", "dflash-extract@3.service", "dflash-flower.service", "dflash.target"
+    )
     assert result.returncode == 0, result.stderr
     assert "Unknown key" not in result.stderr and "Failed" not in result.stderr, result.stderr
 
@@ -173,7 +175,8 @@ def test_generate_unit_command_starts_a_worker_named_for_its_gpus(make_config, t
     command = systemd_command(unit, "0-1")
     env = {**os.environ, **environment(unit, s.env_file)}
     log = open(tmp_path / "worker.log", "wb")
-    worker = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=directive(unit, "WorkingDirectory")[0])
+    workdir = directive(unit, "WorkingDirectory")[0]
+    worker = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
     node = f"generate-0-1@{socket.gethostname()}"
     app = configure_app(config)
     try:

@@ -44,7 +44,9 @@ def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:
     if policy == "noeviction":
         checks.append(Check.passed("broker eviction", "maxmemory-policy noeviction"))
     elif not policy:
-        checks.append(Check.warned("broker eviction", "the server does not report maxmemory_policy; check it is noeviction"))
+        checks.append(
+            Check.warned("broker eviction", "the server does not report maxmemory_policy; check it is noeviction")
+        )
     else:
         checks.append(
             Check.failed(

@@ -90,7 +90,8 @@ def check_gpus(
     for gpu in gpus:
         cc = f"sm_{gpu.capability[0]}{gpu.capability[1]}"
         if capability_supported(gpu.capability, arch_list):
-            checks.append(Check.passed(f"gpu {gpu.index} arch", f"{gpu.name} ({cc}) is in this torch build ({built_for})"))
+            detail = f"{gpu.name} ({cc}) is in this torch build ({built_for})"
+            checks.append(Check.passed(f"gpu {gpu.index} arch", detail))
         else:
             checks.append(
                 Check.failed(

@@ -67,7 +67,9 @@ def check_thinking_template(tokenizer, policy: str) -> Check:
     always_thinks = "<think>" in generation_prompt
     if always_thinks:
         if policy == "never":
-            return Check.failed(name, "the template always opens <think>: dataset.thinking = 'never' cannot be honoured")
+            return Check.failed(
+                name, "the template always opens <think>: dataset.thinking = 'never' cannot be honoured"
+            )
         return Check.passed(name, f"the template always thinks; policy {policy!r} is satisfied")
     if policy == "never":
         return Check.passed(name, "the template has no thinking mode; policy 'never' is satisfied")

@@ -71,7 +71,11 @@ def test_free_memory_against_gpu_memory_utilization():
 
 @pytest.mark.parametrize(
     ("device", "verdict", "words"),
-    [("cpu", "warn", "runs on the CPU"), ("auto", "warn", "will run on the CPU"), ("cuda", "fail", "model.device = cuda")],
+    [
+        ("cpu", "warn", "runs on the CPU"),
+        ("auto", "warn", "will run on the CPU"),
+        ("cuda", "fail", "model.device = cuda"),
+    ],
 )
 def test_no_gpu_is_said_plainly(device, verdict, words):
     checks = check_gpus(
