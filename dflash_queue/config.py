@@ -128,6 +128,20 @@ class ExtractConfig(_Section):
         return self
 
 
+class FlowerConfig(_Section):
+    # Loopback by default: reach it through an SSH tunnel or a TLS proxy. Basic auth comes from the
+    # FLOWER_BASIC_AUTH environment variable (user:password[,user2:password2]), never from this file.
+    address: str = "127.0.0.1"
+    port: Annotated[int, Field(ge=1, le=65535)] = 5555
+    # Tasks kept in Flower's memory, oldest dropped first: a run makes two per shard.
+    max_tasks: PositiveInt = 10000
+    # Keep Flower's task history across its restarts in `db` (default: run.state_dir/flower.db).
+    persistent: bool = False
+    db: str = ""
+    # Forget workers offline for this long (0: keep them listed).
+    purge_offline_workers_s: Annotated[int, Field(ge=0)] = 0
+
+
 class Config(_Section):
     run: RunConfig = RunConfig()
     broker: BrokerConfig = BrokerConfig()
@@ -136,6 +150,7 @@ class Config(_Section):
     dataset: DatasetConfig = DatasetConfig()
     generate: GenerateConfig = GenerateConfig()
     extract: ExtractConfig = ExtractConfig()
+    flower: FlowerConfig = FlowerConfig()
 
     # Where the config came from; not a TOML key.
     source: str = Field(default="<memory>", exclude=True)
@@ -210,6 +225,7 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     resolve("model", "tokenizer")
     resolve("storage", "url", url=True)
     resolve("run", "state_dir")
+    resolve("flower", "db")
 
 
 def _validate(raw: dict[str, Any], source: str, *, check_paths: bool) -> Config:

@@ -1,12 +1,19 @@
-"""Run state in Redis: where each shard stands, and the run's counters.
+"""Run state in Redis: where each shard stands, the run's counters, and their recent rates.
 
 The ledger is bookkeeping for progress and skip decisions; storage stays the truth about what is done
 (a shard whose training file exists is done whatever the ledger says).
+
+Rates: every `add` also lands in a per-minute bucket (a hash that expires after `RATE_RETENTION_S`), in the
+same transaction as the totals, so any counter any lane records gets a recent rate for free and both survive
+worker restarts.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import redis
 
@@ -17,6 +24,22 @@ FAILED = "failed"
 # States in which a shard needs no new message from the producer.
 IN_PROGRESS_OR_DONE = frozenset({QUEUED, GENERATED, DONE})
 
+RATE_BUCKET_S = 60
+# The longest window a rate can be asked for; older buckets expire.
+RATE_RETENTION_S = 6 * 3600
+
+
+@dataclass(frozen=True)
+class WindowTotals:
+    """Counter increments recorded over the last `span_s` seconds (the window, or less for a younger run)."""
+
+    totals: dict[str, int]
+    span_s: float
+
+    def rate(self, name: str) -> float:
+        """Per second; 0.0 when the window is empty."""
+        return self.totals.get(name, 0) / self.span_s if self.span_s > 0 else 0.0
+
 
 class Ledger:
     def __init__(self, client: redis.Redis, run_name: str) -> None:
@@ -26,6 +49,9 @@ class Ledger:
         self.sizes_key = f"{self.prefix}:shard_samples"
         self.counters_key = f"{self.prefix}:counters"
         self.failures_key = f"{self.prefix}:failures"
+        self.rate_prefix = f"{self.prefix}:rate:"
+        # When the first progress of this run was recorded: the start of the rate window of a young run.
+        self.first_add_key = f"{self.prefix}:first_add"
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> Ledger:
@@ -56,15 +82,60 @@ class Ledger:
         values = self.client.hmget(self.states_key, ids)
         return {shard_id: value for shard_id, value in zip(ids, values) if value is not None}
 
-    def add(self, counts: Mapping[str, int]) -> None:
+    def add(self, counts: Mapping[str, int], *, now: float | None = None) -> None:
+        """Add to the run's counters and to the current minute's bucket, atomically."""
+        now = time.time() if now is None else now
+        bucket_key = self._bucket_key(int(now // RATE_BUCKET_S))
         pipe = self.client.pipeline()
         for name, value in counts.items():
             if value:
                 pipe.hincrby(self.counters_key, name, int(value))
-        pipe.execute()
+                pipe.hincrby(bucket_key, name, int(value))
+        if len(pipe):
+            pipe.expire(bucket_key, RATE_RETENTION_S + RATE_BUCKET_S)
+            pipe.set(self.first_add_key, repr(now), nx=True)
+            pipe.execute()
+
+    def window(self, window_s: float, *, now: float | None = None) -> WindowTotals:
+        """Increments of every counter over the last `window_s` seconds, rounded up to whole minutes.
+
+        The span is measured from the start of the oldest bucket in the window, or from the run's first
+        recorded progress when that is later, so a young run's rate is not diluted by time before it began.
+        """
+        if not 0 < window_s <= RATE_RETENTION_S:
+            raise ValueError(f"window must be within (0, {RATE_RETENTION_S}] seconds, got {window_s}")
+        now = time.time() if now is None else now
+        current = int(now // RATE_BUCKET_S)
+        buckets = range(current - math.ceil(window_s / RATE_BUCKET_S) + 1, current + 1)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(self.first_add_key)
+        for bucket in buckets:
+            pipe.hgetall(self._bucket_key(bucket))
+        first_add, *contents = pipe.execute()
+        totals: dict[str, int] = {}
+        for content in contents:
+            for name, value in content.items():
+                totals[name] = totals.get(name, 0) + int(value)
+        start = buckets[0] * RATE_BUCKET_S
+        if first_add is not None:
+            start = max(start, float(first_add))
+        return WindowTotals(totals, max(0.0, now - start))
+
+    def _bucket_key(self, bucket: int) -> str:
+        return f"{self.rate_prefix}{bucket}"
 
     def counters(self) -> dict[str, int]:
         return {name: int(value) for name, value in self.client.hgetall(self.counters_key).items()}
 
+    def shard_sizes(self) -> dict[str, int]:
+        """Samples per shard, recorded when the shard was queued."""
+        return {shard_id: int(n) for shard_id, n in self.client.hgetall(self.sizes_key).items()}
+
+    def failures(self) -> dict[str, str]:
+        return self.client.hgetall(self.failures_key)
+
     def reset(self) -> None:
-        self.client.delete(self.states_key, self.sizes_key, self.counters_key, self.failures_key)
+        buckets = list(self.client.scan_iter(match=f"{self.rate_prefix}*", count=1000))
+        self.client.delete(
+            self.states_key, self.sizes_key, self.counters_key, self.failures_key, self.first_add_key, *buckets
+        )

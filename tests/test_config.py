@@ -116,3 +116,13 @@ def test_shipped_configs_parse(tmp_path):
         except ConfigError as exc:
             lines = str(exc).splitlines()[1:]
             assert all("no such path" in line for line in lines), str(exc)
+
+
+def test_flower_section_is_validated_and_its_db_resolved(tmp_path, model_dir):
+    tables = {**base(model_dir), "flower": {"persistent": True, "db": "state/f.db"}}
+    config = load_config(write(tmp_path, tables), env={})
+    assert config.flower.db == str(tmp_path / "state" / "f.db")
+    assert (config.flower.address, config.flower.port, config.flower.max_tasks) == ("127.0.0.1", 5555, 10000)
+    for tables, key in (({"flower": {"port": 70000}}, "flower.port"), ({"flower": {"auth": "a:b"}}, "flower.auth")):
+        with pytest.raises(ConfigError, match=rf"  {key}: "):
+            load_config(write(tmp_path, {**base(model_dir), **tables}), env={})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_queue import __version__
-from dflash_queue.cli import pipeline
+from dflash_queue.cli import monitor, ops, pipeline, plan
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -15,4 +15,6 @@ def main() -> None:
 
 
 for command in pipeline.COMMANDS:
+    main.add_command(command)
+for command in [*ops.COMMANDS, *monitor.COMMANDS, *plan.COMMANDS]:
     main.add_command(command)

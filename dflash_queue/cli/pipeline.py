@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -46,8 +47,21 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
 @click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Tasks in flight.")
 @click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
-def worker(lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str) -> None:
+@click.option(
+    "--gpus", default=None, help="GPUs of this worker: 0, or 0-1 for a tensor-parallel group (CUDA_VISIBLE_DEVICES)."
+)
+def worker(
+    lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str, gpus: str | None
+) -> None:
     """Run a LANE worker: load the engine once, then consume the lane's queue until stopped (SIGTERM)."""
+    if gpus is not None:
+        from dflash_queue.ops.gpus import parse_gpu_group, visible_devices
+
+        try:
+            # Before anything can initialise CUDA: the engine sees only these GPUs, renumbered from 0.
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(parse_gpu_group(gpus))
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--gpus") from None
     from dflash_queue.queue.worker import run_worker
 
     config = load(config_path)

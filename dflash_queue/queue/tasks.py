@@ -12,8 +12,11 @@ from dflash_queue import ledger as states
 from dflash_queue.errors import FingerprintMismatch
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
+from dflash_queue.queue.busy import BusyClock
 
 log = get_task_logger(__name__)
+# Busy time per lane in this worker process, recorded as `{lane}_busy_ms` next to the lane's counters.
+BUSY = {"generate": BusyClock(), "extract": BusyClock()}
 
 
 def _check_fingerprint(rt: runtime.WorkerRuntime, fingerprint: str, shard_id: str) -> None:
@@ -39,9 +42,10 @@ class LaneTask(Task):
 def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
     rt = runtime.current()
     _check_fingerprint(rt, fingerprint, shard_id)
-    summary = rt.lane("generate").run(shard_id)
+    with BUSY["generate"].task() as timing:
+        summary = rt.lane("generate").run(shard_id)
     if not summary.skipped:
-        rt.ledger.add(summary.counters())
+        rt.ledger.add({**summary.counters(), "generate_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.GENERATED)
     extract_shard.apply_async(args=(shard_id, summary.num_samples, fingerprint), queue=EXTRACT_QUEUE)
     log.info(
@@ -57,9 +61,10 @@ def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
 def extract_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
     rt = runtime.current()
     _check_fingerprint(rt, fingerprint, shard_id)
-    summary = rt.lane("extract").run(shard_id)
+    with BUSY["extract"].task() as timing:
+        summary = rt.lane("extract").run(shard_id)
     if not summary.skipped:
-        rt.ledger.add(summary.counters())
+        rt.ledger.add({**summary.counters(), "extract_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.DONE)
     log.info(
         "extracted shard %s: %d samples, %d tokens, %d bytes%s",

@@ -1,0 +1,98 @@
+"""Commands that look at a node or a run: status and doctor."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.text import Text
+
+from dflash_queue.cli.common import config_option, load
+
+VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
+
+
+@click.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON snapshot instead of a table.")
+@click.option("--watch", is_flag=True, help="Refresh the table in place until Ctrl-C.")
+@click.option("--interval", type=click.FloatRange(min=0.5), default=5.0, show_default=True,
+              help="Seconds between refreshes with --watch.")
+@click.option("--window", "window_min", type=click.FloatRange(min=1, max=360), default=10.0, show_default=True,
+              help="Minutes of recent progress the throughput and ETA are measured over.")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds to wait for workers to answer.")
+def status(config_path: Path, as_json: bool, watch: bool, interval: float, window_min: float, timeout: float) -> None:
+    """Per lane: queue depth, tasks in flight, workers alive, progress, throughput and ETA."""
+    import redis
+
+    from dflash_queue.ops.status import collect_status
+    from dflash_queue.ops.status_view import status_table
+
+    config = load(config_path)
+    if not config.broker.url:
+        raise click.ClickException(f"{config_path}: broker.url is empty; status reads the broker (or DFQ_BROKER_URL)")
+
+    def snapshot():
+        try:
+            return collect_status(config, window_s=window_min * 60, inspect_timeout=timeout)
+        except redis.RedisError as exc:
+            raise click.ClickException(f"broker {config.broker.url}: {exc}") from None
+
+    if as_json:
+        click.echo(json.dumps(snapshot().to_json(), indent=2, sort_keys=True))
+        return
+    console = Console()
+    if not watch:
+        console.print(status_table(snapshot()))
+        return
+    try:
+        if console.is_terminal:
+            from rich.live import Live
+
+            with Live(status_table(snapshot()), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(status_table(snapshot()), refresh=True)
+        else:  # a log or a pipe: one table after another
+            while True:
+                console.print(status_table(snapshot()))
+                time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+@click.command()
+@config_option
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option("--warn-below-gb", type=float, default=20.0, show_default=True, help="Warn below this much free disk.")
+@click.option("--fail-below-gb", type=float, default=1.0, show_default=True, help="Fail below this much free disk.")
+def doctor(config_path: Path, as_json: bool, warn_below_gb: float, fail_below_gb: float) -> None:
+    """Preflight checks of this node for CONFIG, one per line; exits 1 if any fails."""
+    from dflash_queue.ops.doctor import run_doctor
+
+    config = load(config_path)
+    checks = run_doctor(config, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb)
+    failed = sum(c.verdict == "fail" for c in checks)
+    if as_json:
+        click.echo(json.dumps([c.__dict__ for c in checks], indent=2))
+    else:
+        console = Console(highlight=False, soft_wrap=True)
+        width = max(len(c.name) for c in checks)
+        for check in checks:
+            console.print(
+                Text.assemble(
+                    (f"{check.verdict.upper():4}", VERDICT_STYLE[check.verdict]),
+                    f"  {check.name:<{width}}  {check.detail}",
+                )
+            )
+        warned = sum(c.verdict == "warn" for c in checks)
+        console.print(f"{len(checks) - failed - warned} passed, {warned} warnings, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+COMMANDS = [status, doctor]

@@ -1,0 +1,121 @@
+"""Commands that run the service on a node: systemd units and Flower."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from dflash_queue.cli.common import config_option, load
+from dflash_queue.errors import ConfigError
+
+
+def _groups(value: str | None, option: str) -> tuple[tuple[int, ...], ...]:
+    from dflash_queue.ops.gpus import parse_gpu_groups
+
+    if not value:
+        return ()
+    try:
+        return parse_gpu_groups(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=option) from None
+
+
+@click.group()
+def systemd() -> None:
+    """systemd units: one worker per GPU (or tensor-parallel group) and lane, Flower, and dflash.target."""
+
+
+@systemd.command("install")
+@config_option
+@click.option("--gpus", default=None, help="This node's GPUs, a count (8) or a list (0,1,2,3); checks the layout.")
+@click.option("--generate", "generate_groups", default=None, help="Generate workers' GPU groups: 0,1 or 0-1,2-3.")
+@click.option("--extract", "extract_groups", default=None, help="Extract workers' GPU groups, same form.")
+@click.option("--flower/--no-flower", default=True, show_default=True, help="Also install dflash-flower.service.")
+@click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=Path("/etc/systemd/system"),
+              show_default=True, help="Where the unit files go.")
+@click.option("--env-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Environment file for the units [default: /etc/dflash-queue/dflash.env].")
+@click.option("--exec", "exec_command", default="",
+              help="Command that runs dflash-queue [default: this environment's dflash-queue, else python -m].")
+@click.option("--user", default="", help="Run the units as this user.")
+@click.option("--systemd-version", type=int, default=None,
+              help="Target systemd version [default: this machine's]; >= 254 adds RestartSteps back-off.")
+@click.option("--force-env", is_flag=True, help="Overwrite an existing environment file (it holds secrets).")
+def systemd_install(
+    config_path: Path,
+    gpus: str | None,
+    generate_groups: str | None,
+    extract_groups: str | None,
+    flower: bool,
+    dest: Path,
+    env_file: Path | None,
+    exec_command: str,
+    user: str,
+    systemd_version: int | None,
+    force_env: bool,
+) -> None:
+    """Write the units and their environment file for CONFIG and this node's GPU layout.
+
+    Instance names are GPU ids joined by '-': --generate 0-1,2-3 --extract 4,5 makes dflash-generate@0-1
+    (CUDA_VISIBLE_DEVICES=0,1), dflash-generate@2-3, dflash-extract@4 and dflash-extract@5.
+    """
+    from dflash_queue.ops.gpus import parse_gpu_list
+    from dflash_queue.ops.systemd import (
+        DEFAULT_ENV_FILE,
+        InstallSettings,
+        UnitLayout,
+        detect_systemd_version,
+        install_units,
+    )
+
+    config = load(config_path)
+    node_gpus = None
+    if gpus:
+        try:
+            node_gpus = parse_gpu_list(gpus)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--gpus") from None
+    layout = UnitLayout(
+        generate=_groups(generate_groups, "--generate"), extract=_groups(extract_groups, "--extract"), flower=flower
+    )
+    settings = InstallSettings(
+        config_path=config_path.resolve(),
+        env_file=(env_file or DEFAULT_ENV_FILE).resolve(),
+        exec_command=exec_command,
+        user=user,
+        systemd_version=detect_systemd_version() if systemd_version is None else systemd_version,
+    )
+    try:
+        report = install_units(config, layout, settings, dest, node_gpus=node_gpus, force_env=force_env)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(
+            f"cannot write the units: {exc} (run as root, or choose --dest/--env-file)"
+        ) from None
+    for line in report.lines():
+        click.echo(line)
+
+
+@click.command()
+@config_option
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Listen port [default: flower.port].")
+@click.option("--address", default=None, help="Listen address [default: flower.address].")
+def flower(config_path: Path, port: int | None, address: str | None) -> None:
+    """Run Flower for CONFIG's broker; basic auth from FLOWER_BASIC_AUTH (user:password)."""
+    from dflash_queue.ops.flower import check_basic_auth, flower_argv, run_flower
+
+    config = load(config_path)
+    try:
+        if not config.broker.url:
+            raise ConfigError(f"{config_path}: broker.url is empty; Flower needs the broker (or DFQ_BROKER_URL)")
+        check_basic_auth(os.environ)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(run_flower(config, flower_argv(config, port=port, address=address)) or 0)
+
+
+COMMANDS = [systemd, flower]

@@ -1,0 +1,1 @@
+"""Operating a run: systemd units, Flower, live status, the preflight doctor, and the run planner."""

@@ -1,0 +1,80 @@
+"""The target model: config and tokenizer load, the configured layers exist, and the chat template can do
+what the thinking policy asks of it."""
+
+from __future__ import annotations
+
+from dflash_queue.config import Config
+from dflash_queue.data.samples import Message
+from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.engines.layers import resolve_layer_ids
+from dflash_queue.ops.doctor.result import Check
+
+PROBE = (Message("user", "What is 2 + 2?"),)
+
+
+def check_model(config: Config) -> tuple[list[Check], object | None]:
+    """Checks, and the tokenizer when it loaded (for the chat-template check)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    checks = []
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.path)
+    except Exception as exc:
+        checks.append(Check.failed("model", f"{config.model.path}: config does not load: {type(exc).__name__}: {exc}"))
+    else:
+        text = getattr(model_config, "text_config", None) or model_config
+        layers, hidden = getattr(text, "num_hidden_layers", None), getattr(text, "hidden_size", None)
+        arch = ",".join(getattr(model_config, "architectures", None) or [model_config.model_type])
+        detail = f"{config.model.path}: {arch}, {layers} layers, hidden {hidden}"
+        try:
+            ids = resolve_layer_ids(config.extract.layer_ids, int(layers), config.extract.num_draft_layers)
+        except (TypeError, ValueError) as exc:
+            checks.append(Check.failed("model", f"{detail}; extract layers: {exc}"))
+        else:
+            checks.append(Check.passed("model", f"{detail}; extracting layers {ids}"))
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+    except Exception as exc:
+        checks.append(
+            Check.failed("tokenizer", f"{config.model.tokenizer_path}: does not load: {type(exc).__name__}: {exc}")
+        )
+        return checks, None
+    if not getattr(tokenizer, "chat_template", None):
+        checks.append(Check.failed("tokenizer", f"{config.model.tokenizer_path}: loads, but has no chat template"))
+        return checks, None
+    checks.append(Check.passed("tokenizer", f"{config.model.tokenizer_path}: {len(tokenizer)} tokens, chat template"))
+    return checks, tokenizer
+
+
+def check_thinking_template(tokenizer, policy: str) -> Check:
+    """Render one prompt with enable_thinking False and True and compare.
+
+    Different renderings: the template has a switch, every policy works. The same rendering: the template
+    either always opens a thinking block (a thinking-only model; `never` cannot be honoured) or ignores the
+    flag and never thinks (`always`/`auto` cannot be honoured).
+    """
+    name = "chat template thinking"
+    formatter = ChatFormatter(tokenizer)
+    try:
+        off = formatter.render(PROBE, enable_thinking=False)
+        on = formatter.render(PROBE, enable_thinking=True)
+    except Exception as exc:
+        return Check.failed(name, f"the template does not render a one-turn prompt: {type(exc).__name__}: {exc}")
+    if off != on:
+        return Check.passed(name, f"enable_thinking switches thinking; policy {policy!r} can be honoured")
+    generation_prompt = on[on.rfind(PROBE[-1].content) :]
+    always_thinks = "<think>" in generation_prompt
+    if always_thinks:
+        if policy == "never":
+            return Check.failed(
+                name, "the template always opens <think>: dataset.thinking = 'never' cannot be honoured"
+            )
+        return Check.passed(name, f"the template always thinks; policy {policy!r} is satisfied")
+    if policy == "never":
+        return Check.passed(name, "the template has no thinking mode; policy 'never' is satisfied")
+    return Check.failed(
+        name,
+        f"the template ignores enable_thinking and never opens <think>: dataset.thinking = {policy!r} needs a "
+        "template with a thinking mode",
+    )

@@ -1,0 +1,132 @@
+"""A plan put together from the planner's pieces, as JSON and as text tables."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from dflash_queue.ops import humanize
+from dflash_queue.ops.planner import BYTES_PER_VALUE, ModelShape, PromptStats, hidden_state_bytes, schedule
+
+
+@dataclass(frozen=True)
+class Throughput:
+    label: str
+    tokens_per_s: float  # per worker
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    datasets: list[str]
+    stats: PromptStats
+    output_tokens_per_prompt: float
+    output_source: str
+    shape: ModelShape
+    generate: Sequence[Throughput]
+    extract: Sequence[Throughput]
+    gpus: int
+    gpus_per_worker: int
+    subsets: Sequence[int]
+    thinking_policy: str
+
+
+def build_plan(inputs: PlanInputs) -> dict:
+    stats = inputs.stats
+    populations = [stats.prompts, *inputs.subsets]
+    prompt_tokens_per_prompt = stats.mean_prompt_tokens
+    output = inputs.output_tokens_per_prompt
+    total_tokens = stats.prompts * (prompt_tokens_per_prompt + output)
+
+    def lane(throughputs: Sequence[Throughput], tokens_per_prompt: float) -> list[dict]:
+        gpus, per_worker = inputs.gpus, inputs.gpus_per_worker
+        return [
+            {
+                "label": t.label,
+                "tokens_per_s": t.tokens_per_s,
+                "runs": [
+                    asdict(schedule(n, tokens_per_prompt, t.tokens_per_s, gpus=gpus, gpus_per_worker=per_worker))
+                    for n in populations
+                ],
+            }
+            for t in throughputs
+        ]
+
+    return {
+        "datasets": inputs.datasets,
+        "prompts": stats.prompts,
+        "duplicates": stats.duplicates,
+        "bad_records": stats.bad_records,
+        "prompt_tokens": {
+            "total": stats.prompt_tokens,
+            "standard_error": stats.prompt_tokens_se,
+            "mean_per_prompt": stats.mean_prompt_tokens,
+            "sample_size": stats.sample_size,
+        },
+        "thinking": {"policy": inputs.thinking_policy, "share": stats.thinking_share},
+        "output_tokens": {"per_prompt": output, "total": stats.prompts * output, "source": inputs.output_source},
+        "hidden_states": {
+            "layers": inputs.shape.num_layers_kept,
+            "hidden_size": inputs.shape.hidden_size,
+            "tokens": total_tokens,
+            **{
+                f"{name}_bytes": hidden_state_bytes(
+                    total_tokens, inputs.shape.num_layers_kept, inputs.shape.hidden_size, size
+                )
+                for name, size in BYTES_PER_VALUE.items()
+            },
+        },
+        "gpus": inputs.gpus,
+        "gpus_per_worker": inputs.gpus_per_worker,
+        "populations": populations,
+        # Generation is paced by generated tokens; extraction by whole sequences (one prefill each).
+        "generate": lane(inputs.generate, output),
+        "extract": lane(inputs.extract, prompt_tokens_per_prompt + output),
+    }
+
+
+def render_plan(plan: dict) -> Group:
+    pt, out, hs = plan["prompt_tokens"], plan["output_tokens"], plan["hidden_states"]
+    skipped = f"{plan['duplicates']:,} duplicates, {plan['bad_records']:,} bad records skipped"
+    if pt["standard_error"]:
+        error = f"± {humanize.count(pt['standard_error'])} (1 s.e.; {pt['sample_size']:,} prompts tokenised)"
+    else:
+        error = f"(exact: all {pt['sample_size']:,} prompts tokenised)"
+    facts = Table.grid(padding=(0, 2))
+    facts.add_row("prompts", f"{plan['prompts']:,} ({skipped})")
+    facts.add_row("prompt tokens", f"{humanize.count(pt['total'])} {error}; {pt['mean_per_prompt']:,.0f} per prompt")
+    thinking = plan["thinking"]
+    facts.add_row("thinking", f"{thinking['share']:.0%} of prompts (dataset.thinking = {thinking['policy']})")
+    facts.add_row(
+        "output tokens",
+        f"{out['per_prompt']:,.0f} per prompt ({out['source']}): {humanize.count(out['total'])} to generate",
+    )
+    facts.add_row(
+        "hidden states",
+        f"K={hs['layers']} x hidden {hs['hidden_size']:,} over {humanize.count(hs['tokens'])} tokens: "
+        f"bf16 {humanize.size(hs['bf16_bytes'])} · fp8 {humanize.size(hs['fp8_bytes'])}",
+    )
+    parts = [facts]
+    workers = plan["gpus"] // plan["gpus_per_worker"]
+    lanes = (("generate", "generation (generated tokens)"), ("extract", "extraction (prompt + completion tokens)"))
+    for lane, what in lanes:
+        if not plan[lane]:
+            continue
+        table = Table(
+            title=f"{what} on {plan['gpus']} GPU(s): {workers} worker(s) of {plan['gpus_per_worker']} GPU(s)",
+            title_justify="left",
+        )
+        table.add_column("throughput per worker")
+        for n in plan["populations"]:
+            table.add_column(f"{n:,} prompts", justify="right")
+        for row in plan[lane]:
+            table.add_row(
+                f"{row['label']}",
+                *(f"{humanize.duration(r['wall_s'])} · {humanize.hours(r['gpu_hours'])} GPU-h" for r in row["runs"]),
+            )
+        parts.append(Text(""))
+        parts.append(table)
+    return Group(*parts)

@@ -1,0 +1,235 @@
+"""Where a run stands, per lane: queues, workers, progress, throughput over a recent window, and an ETA.
+
+Everything comes from Redis (the ledger's counters and shard states, the broker's queues and unacked
+messages) plus one control broadcast to the workers, so it works from any machine that reaches the broker and
+survives worker restarts. Sources of per-lane counts that other parts of the system add (dead letters) plug
+in through `register_dead_letter_source`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+from dflash_queue.config import Config
+from dflash_queue.ledger import DONE, FAILED, GENERATED, QUEUED, Ledger
+from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE
+
+LANES = {"generate": GENERATE_QUEUE, "extract": EXTRACT_QUEUE}
+# Counters shown per lane, and which of them get a rate: (counter, label).
+LANE_COUNTERS = {
+    "generate": (
+        ("generate_samples", "samples"),
+        ("generate_prompt_tokens", "prompt_tokens"),
+        ("generate_completion_tokens", "generated_tokens"),
+    ),
+    "extract": (
+        ("extract_samples", "samples"),
+        ("extract_tokens", "tokens"),
+        ("extract_bytes", "bytes"),
+    ),
+}
+# Shard states at which a lane's work on the shard is over.
+LANE_DONE_STATES = {"generate": {GENERATED, DONE}, "extract": {DONE}}
+LANE_PENDING_STATES = {"generate": {QUEUED}, "extract": {QUEUED, GENERATED}}
+QUALITY_PREFIX = "quality_"
+DEFAULT_WINDOW_S = 600
+
+# (redis client, run name, ledger counters) -> dead letters per lane.
+DeadLetterSource = Callable[[redis.Redis, str, Mapping[str, int]], Mapping[str, int]]
+
+
+def counters_dead_letters(client: redis.Redis, run_name: str, counters: Mapping[str, int]) -> dict[str, int]:
+    """Dead letters recorded through `Ledger.add` as `dead_letters_{lane}` counters."""
+    return {lane: counters.get(f"dead_letters_{lane}", 0) for lane in LANES}
+
+
+_dead_letter_source: DeadLetterSource = counters_dead_letters
+
+
+def register_dead_letter_source(source: DeadLetterSource) -> None:
+    """Replace how dead letters are counted (e.g. by the length of a dead-letter list in Redis)."""
+    global _dead_letter_source
+    _dead_letter_source = source
+
+
+@dataclass
+class LaneStatus:
+    lane: str
+    queued: int  # messages waiting in the lane's queue
+    reserved: int  # delivered to a worker and not yet acknowledged: running or prefetched
+    running: int | None  # tasks the lane's workers report running; None when no worker answered
+    workers: list[str]
+    shards_total: int
+    shards_done: int
+    shards_failed: int  # failed in this lane
+    shards_remaining: int  # still to pass through this lane
+    samples_total: int
+    samples_done: int
+    totals: dict[str, int]  # labelled counters of LANE_COUNTERS
+    rates: dict[str, float]  # the same labels, per second over the window
+    quality: dict[str, int] = field(default_factory=dict)
+    quality_dropped: int = 0
+    dead_letters: int = 0
+    eta_s: float | None = None
+
+
+@dataclass
+class RunStatus:
+    run: str
+    broker: str
+    time: float
+    window_s: float
+    window_span_s: float
+    lanes: dict[str, LaneStatus]
+    eta_s: float | None
+    finished: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def redact(url: str) -> str:
+    """A URL without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def queue_depth(client: redis.Redis, queue: str) -> int:
+    """Messages waiting in a kombu Redis queue, over all its priority sub-queues."""
+    pipe = client.pipeline(transaction=False)
+    for priority in PRIORITY_STEPS:
+        pipe.llen(f"{queue}{Channel.sep}{priority}" if priority else queue)
+    return sum(pipe.execute())
+
+
+def unacked_by_queue(client: redis.Redis) -> dict[str, int]:
+    """Delivered, unacknowledged messages per routing key (= queue here), from kombu's `unacked` hash."""
+    counts: dict[str, int] = {}
+    for raw in client.hvals(Channel.unacked_key):
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, IndexError, TypeError):
+            continue
+        counts[routing_key] = counts.get(routing_key, 0) + 1
+    return counts
+
+
+@dataclass
+class WorkerView:
+    """What the workers said to a control broadcast: node -> queues it consumes, node -> running tasks."""
+
+    queues: dict[str, list[str]] = field(default_factory=dict)
+    running: dict[str, int] = field(default_factory=dict)
+
+    def lane_workers(self, queue: str) -> list[str]:
+        return sorted(node for node, queues in self.queues.items() if queue in queues)
+
+    def lane_running(self, queue: str) -> int | None:
+        nodes = self.lane_workers(queue)
+        if not nodes:
+            return None
+        return sum(self.running.get(node, 0) for node in nodes)
+
+
+def ask_workers(app, timeout: float) -> WorkerView:
+    inspect = app.control.inspect(timeout=timeout)
+    queues = inspect.active_queues() or {}
+    nodes = list(queues)
+    active = (app.control.inspect(timeout=timeout, destination=nodes).active() or {}) if nodes else {}
+    return WorkerView(
+        queues={node: [q["name"] for q in qs or []] for node, qs in queues.items()},
+        running={node: len(tasks or []) for node, tasks in active.items()},
+    )
+
+
+def collect_status(
+    config: Config,
+    *,
+    window_s: float = DEFAULT_WINDOW_S,
+    workers: WorkerView | None = None,
+    inspect_timeout: float = 1.0,
+    now: float | None = None,
+) -> RunStatus:
+    """A snapshot of the run. `workers` skips the control broadcast (given by a caller that already asked)."""
+    now = time.time() if now is None else now
+    # Redis first: an unreachable broker fails here, fast, instead of inside a control broadcast that retries.
+    client = redis.Redis.from_url(config.broker.url, decode_responses=True, socket_connect_timeout=5)
+    try:
+        ledger = Ledger(client, config.run.name)
+        counters = ledger.counters()
+        window = ledger.window(window_s, now=now)
+        states = ledger.states()
+        sizes = ledger.shard_sizes()
+        failures = ledger.failures()
+        unacked = unacked_by_queue(client)
+        dead = _dead_letter_source(client, config.run.name, counters)
+        depths = {lane: queue_depth(client, queue) for lane, queue in LANES.items()}
+    finally:
+        client.close()
+    if workers is None:
+        from dflash_queue.queue.app import configure_app
+
+        workers = ask_workers(configure_app(config), inspect_timeout)
+
+    lanes = {}
+    for lane, queue in LANES.items():
+        failed = [s for s, st in states.items() if st == FAILED and _failed_in(failures.get(s, ""), lane)]
+        done = [s for s, st in states.items() if st in LANE_DONE_STATES[lane]]
+        pending = [s for s, st in states.items() if st in LANE_PENDING_STATES[lane]]
+        status = LaneStatus(
+            lane=lane,
+            queued=depths[lane],
+            reserved=unacked.get(queue, 0),
+            running=workers.lane_running(queue),
+            workers=workers.lane_workers(queue),
+            shards_total=len(states),
+            shards_done=len(done),
+            shards_failed=len(failed),
+            shards_remaining=len(pending),
+            samples_total=sum(sizes.values()),
+            samples_done=sum(sizes.get(s, 0) for s in done),
+            totals={label: counters.get(name, 0) for name, label in LANE_COUNTERS[lane]},
+            rates={label: window.rate(name) for name, label in LANE_COUNTERS[lane]},
+            dead_letters=int(dead.get(lane, 0)),
+        )
+        if lane == "generate":
+            status.quality = {k: v for k, v in sorted(counters.items()) if k.startswith(QUALITY_PREFIX)}
+            status.quality_dropped = sum(v for k, v in status.quality.items() if "drop" in k)
+        # Shards, not samples, measure what is left: the quality gate may shrink a shard on its way.
+        shard_rate = window.rate(f"{lane}_shards")
+        if not states:
+            status.eta_s = None
+        elif not pending:
+            status.eta_s = 0.0
+        elif shard_rate > 0:
+            status.eta_s = len(pending) / shard_rate
+        lanes[lane] = status
+
+    etas = [lane.eta_s for lane in lanes.values()] if states else [None]
+    finished = bool(states) and all(lane.shards_remaining == 0 for lane in lanes.values())
+    return RunStatus(
+        run=config.run.name,
+        broker=redact(config.broker.url),
+        time=now,
+        window_s=window_s,
+        window_span_s=window.span_s,
+        lanes=lanes,
+        # The run ends when its slower lane does; unknown while either lane has no measured rate.
+        eta_s=None if any(eta is None for eta in etas) else max(etas),
+        finished=finished,
+    )
+
+
+def _failed_in(failure: str, lane: str) -> bool:
+    in_extract = failure.startswith(EXTRACT_TASK)
+    return in_extract if lane == "extract" else not in_extract

@@ -1,0 +1,87 @@
+"""The status snapshot as a rich table (one column per lane) and as JSON."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from dflash_queue.ops import humanize
+from dflash_queue.ops.status import LaneStatus, RunStatus
+
+
+def status_table(status: RunStatus) -> Group:
+    title = (
+        f"run [bold]{status.run}[/bold] · broker {status.broker} · "
+        f"throughput over the last {humanize.duration(status.window_span_s)}"
+    )
+    table = Table(title=title, title_justify="left", show_lines=False)
+    table.add_column("")
+    for lane in status.lanes:
+        table.add_column(lane, overflow="fold")
+    rows = [
+        ("workers alive", _workers),
+        ("queue depth", lambda s: f"{s.queued:,}"),
+        ("in flight", _in_flight),
+        ("shards", lambda s: f"{s.shards_done:,} / {s.shards_total:,} done, {s.shards_failed} failed"),
+        ("samples", lambda s: f"{s.samples_done:,} / {s.samples_total:,}"),
+        ("tokens", _tokens),
+        ("throughput", _throughput),
+        ("quality gate", _quality),
+        ("dead letters", lambda s: f"{s.dead_letters:,}"),
+        ("ETA", _eta),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(cell(lane) for lane in status.lanes.values()))
+    if status.finished:
+        footer = Text("run finished: every shard has passed both lanes", style="green")
+    elif not any(lane.shards_total for lane in status.lanes.values()):
+        footer = Text(f"nothing enqueued yet for run {status.run}")
+    else:
+        footer = Text(f"run ETA (the slower lane): {humanize.duration(status.eta_s)}")
+    return Group(table, footer)
+
+
+def _eta(s: LaneStatus) -> str:
+    if not s.shards_total:
+        return "—"
+    if s.shards_remaining == 0:
+        return "done"
+    if s.eta_s is None:
+        return "unknown (no progress in the window)"
+    return humanize.duration(s.eta_s)
+
+
+def _workers(s: LaneStatus) -> str:
+    if not s.workers:
+        return "0 (none answered)"
+    return f"{len(s.workers)}: " + ", ".join(s.workers)
+
+
+def _in_flight(s: LaneStatus) -> str:
+    running = "?" if s.running is None else f"{s.running}"
+    return f"{running} running, {s.reserved} unacked"
+
+
+def _tokens(s: LaneStatus) -> str:
+    t = s.totals
+    if s.lane == "generate":
+        return f"prompt {humanize.count(t['prompt_tokens'])} · generated {humanize.count(t['generated_tokens'])}"
+    return f"{humanize.count(t['tokens'])} · {humanize.size(t['bytes'])}"
+
+
+def _throughput(s: LaneStatus) -> str:
+    r = s.rates
+    if s.lane == "generate":
+        return (
+            f"prompt {humanize.rate(r['prompt_tokens'], 'tok')} · "
+            f"generated {humanize.rate(r['generated_tokens'], 'tok')}"
+        )
+    return f"{humanize.rate(r['tokens'], 'tok')} · {humanize.size(r['bytes'])}/s"
+
+
+def _quality(s: LaneStatus) -> str:
+    if not s.quality:
+        return "—"
+    details = ", ".join(f"{k.removeprefix('quality_')} {v:,}" for k, v in s.quality.items())
+    return f"{s.quality_dropped:,} dropped ({details})"

@@ -1,0 +1,234 @@
+"""systemd units for a node: one worker unit instance per GPU group and lane, Flower, and a target for all.
+
+The templates live in `dflash_queue/ops/units/` (`systemd/` in the repository points there); `render_units`
+fills in the paths, timeouts and back-off for a config and a GPU layout, and `install_units` writes them with
+the environment file that carries the broker/storage URLs and secrets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.ops.gpus import instance_name
+
+GENERATE_UNIT = "dflash-generate@.service"
+EXTRACT_UNIT = "dflash-extract@.service"
+FLOWER_UNIT = "dflash-flower.service"
+TARGET_UNIT = "dflash.target"
+DEFAULT_ENV_FILE = Path("/etc/dflash-queue/dflash.env")
+DEFAULT_DEST = Path("/etc/systemd/system")
+# Warm shutdown lets the running task finish: stop waits this much longer than the longest task.
+STOP_MARGIN_S = 120
+RESTART_S = 30
+# systemd >= 254 grows RestartSec in steps up to this, so a node with a broken GPU does not spin.
+RESTART_MAX_DELAY_S = 600
+RESTART_STEPS = 5
+START_LIMIT_BURST = 10
+START_LIMIT_INTERVAL_S = 3600
+BACKOFF_MIN_SYSTEMD = 254
+
+GpuGroup = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Which GPU groups run a generate worker and which an extract worker on this node."""
+
+    generate: tuple[GpuGroup, ...] = ()
+    extract: tuple[GpuGroup, ...] = ()
+    flower: bool = True
+
+    def instances(self) -> list[str]:
+        units = [f"dflash-generate@{instance_name(g)}.service" for g in self.generate]
+        units += [f"dflash-extract@{instance_name(g)}.service" for g in self.extract]
+        if self.flower:
+            units.append(FLOWER_UNIT)
+        return units
+
+    def check(self, node_gpus: tuple[int, ...] | None = None) -> list[str]:
+        """Errors raise; returns warnings (a GPU shared by a generate and an extract worker)."""
+        if not self.generate and not self.extract:
+            raise ValueError("no workers: give --generate and/or --extract GPU groups")
+        warnings = []
+        for lane, groups in (("generate", self.generate), ("extract", self.extract)):
+            seen: dict[int, GpuGroup] = {}
+            for group in groups:
+                for gpu in group:
+                    if gpu in seen:
+                        raise ValueError(
+                            f"--{lane}: GPU {gpu} is in two {lane} groups ({instance_name(seen[gpu])} and "
+                            f"{instance_name(group)}); each would load a full engine on it"
+                        )
+                    seen[gpu] = group
+                    if node_gpus is not None and gpu not in node_gpus:
+                        raise ValueError(f"--{lane}: GPU {gpu} is not one of this node's GPUs {list(node_gpus)}")
+        shared = sorted({g for grp in self.generate for g in grp} & {g for grp in self.extract for g in grp})
+        if shared:
+            warnings.append(
+                f"GPUs {shared} run both a generate and an extract worker: both engines must fit in memory"
+            )
+        return warnings
+
+
+@dataclass(frozen=True)
+class InstallSettings:
+    config_path: Path
+    env_file: Path = DEFAULT_ENV_FILE
+    exec_command: str = ""
+    working_directory: Path | None = None
+    user: str = ""
+    systemd_version: int = 0
+    extra_environment: dict[str, str] = field(default_factory=dict)
+
+
+def default_exec_command() -> tuple[str, dict[str, str]]:
+    """This environment's `dflash-queue` script, else `python -m dflash_queue` with the package on PYTHONPATH."""
+    script = Path(sys.executable).parent / "dflash-queue"
+    if script.is_file() and os.access(script, os.X_OK):
+        return str(script), {}
+    package_parent = Path(__file__).resolve().parents[2]
+    return f"{sys.executable} -m dflash_queue", {"PYTHONPATH": str(package_parent)}
+
+
+def detect_systemd_version() -> int:
+    """The running systemd's version (0 if unknown), which decides whether back-off keys exist."""
+    try:
+        out = subprocess.run(["systemctl", "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    match = re.match(r"systemd (\d+)", out)
+    return int(match.group(1)) if match else 0
+
+
+def template(name: str) -> str:
+    return resources.files("dflash_queue.ops").joinpath("units", name).read_text(encoding="utf-8")
+
+
+def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) -> dict[str, str]:
+    """File name -> contents of every unit this layout needs."""
+    exec_command, default_env = settings.exec_command, {}
+    if not exec_command:
+        exec_command, default_env = default_exec_command()
+    environment = {**default_env, **settings.extra_environment}
+    backoff = ""
+    if settings.systemd_version >= BACKOFF_MIN_SYSTEMD:
+        backoff = f"RestartSteps={RESTART_STEPS}\nRestartMaxDelaySec={RESTART_MAX_DELAY_S}"
+    fields = {
+        "ENV_FILE": str(settings.env_file),
+        "EXTRA_ENVIRONMENT": "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in environment.items()),
+        "WORKING_DIRECTORY": str(settings.working_directory or Path(config.run.state_dir)),
+        "USER": f"User={settings.user}" if settings.user else "",
+        "EXEC": exec_command,
+        "CONFIG": str(settings.config_path.resolve()),
+        "TIMEOUT_STOP_S": str(config.broker.task_timeout_s + STOP_MARGIN_S),
+        "RESTART_S": str(RESTART_S),
+        "RESTART_BACKOFF": backoff,
+        "START_LIMIT_BURST": str(START_LIMIT_BURST),
+        "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),
+        "WANTS": " ".join(layout.instances()),
+    }
+    names = [TARGET_UNIT]
+    if layout.generate:
+        names.append(GENERATE_UNIT)
+    if layout.extract:
+        names.append(EXTRACT_UNIT)
+    if layout.flower:
+        names.append(FLOWER_UNIT)
+    return {name: _fill(template(name), fields) for name in names}
+
+
+def _fill(text: str, fields: dict[str, str]) -> str:
+    lines = []
+    for line in text.splitlines():
+        whole = re.fullmatch(r"@([A-Z_]+)@", line.strip())
+        if whole and not fields[whole.group(1)]:
+            continue  # an optional line with nothing to say
+        lines.append(re.sub(r"@([A-Z_]+)@", lambda m: fields[m.group(1)], line))
+    left = [m for line in lines if not line.startswith("#") for m in re.findall(r"@([A-Z_]+)@", line)]
+    if left:
+        raise KeyError(f"unfilled template fields: {left}")
+    return "\n".join(lines) + "\n"
+
+
+def _quote(assignment: str) -> str:
+    return f'"{assignment}"' if any(c.isspace() for c in assignment) else assignment
+
+
+def env_file_text(config: Config, *, flower_password: str | None = None) -> str:
+    password = flower_password or secrets.token_urlsafe(18)
+    broker = config.broker.url or "redis://BROKER-HOST:6379/0"
+    return "\n".join(
+        [
+            "# Environment of the dflash-queue units (EnvironmentFile=). Mode 0600: it holds secrets.",
+            f"# {BROKER_URL_ENV} and {STORAGE_URL_ENV} override broker.url and storage.url of the config.",
+            f"{BROKER_URL_ENV}={broker}",
+            f"{STORAGE_URL_ENV}={config.storage.url}",
+            "# S3 credentials for s3:// storage; leave them commented out to use an instance role.",
+            "#AWS_ACCESS_KEY_ID=",
+            "#AWS_SECRET_ACCESS_KEY=",
+            "#AWS_DEFAULT_REGION=",
+            "#AWS_ENDPOINT_URL=",
+            "# Flower basic auth, user:password (comma-separate several users).",
+            f"FLOWER_BASIC_AUTH=admin:{password}",
+            "# Models are local paths: never reach a model hub from a worker.",
+            "HF_HUB_OFFLINE=1",
+            "",
+        ]
+    )
+
+
+@dataclass
+class InstallReport:
+    written: list[Path] = field(default_factory=list)
+    env_file: Path | None = None
+    env_file_kept: bool = False
+    warnings: list[str] = field(default_factory=list)
+    instances: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"wrote {path}" for path in self.written]
+        if self.env_file is not None:
+            out.append(f"{'kept existing' if self.env_file_kept else 'wrote'} {self.env_file} (mode 0600)")
+        out.extend(f"warning: {w}" for w in self.warnings)
+        out.append("next: systemctl daemon-reload && systemctl enable --now dflash.target")
+        out.append(f"units: {' '.join(self.instances)}")
+        return out
+
+
+def install_units(
+    config: Config,
+    layout: UnitLayout,
+    settings: InstallSettings,
+    dest: Path,
+    *,
+    node_gpus: tuple[int, ...] | None = None,
+    force_env: bool = False,
+) -> InstallReport:
+    """Write the units into `dest` and the environment file (kept if it exists, unless `force_env`)."""
+    report = InstallReport(warnings=layout.check(node_gpus), instances=layout.instances())
+    dest.mkdir(parents=True, exist_ok=True)
+    # systemd refuses to start a unit whose WorkingDirectory does not exist.
+    Path(settings.working_directory or config.run.state_dir).mkdir(parents=True, exist_ok=True)
+    for name, text in render_units(config, layout, settings).items():
+        path = dest / name
+        path.write_text(text, encoding="utf-8")
+        report.written.append(path)
+    env_file = settings.env_file
+    report.env_file = env_file
+    if env_file.exists() and not force_env:
+        report.env_file_kept = True
+    else:
+        env_file.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(env_file_text(config))
+        os.chmod(env_file, 0o600)
+    return report

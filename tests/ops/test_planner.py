@@ -1,0 +1,178 @@
+"""Planner arithmetic against hand-computed cases, and prompt counting with the real tokenizer."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_queue.data.readers import read_dataset
+from dflash_queue.data.samples import Sample
+from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.ledger import Ledger
+from dflash_queue.ops.planner import (
+    PromptStats,
+    count_prompts,
+    hidden_state_bytes,
+    measured_from_counters,
+    policy_output_tokens,
+    reservoir,
+    schedule,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
+DAY = 86400
+
+
+def test_the_days_a_run_takes_at_each_engine_speed():
+    # 1M prompts x 1,370 generated tokens = 1.37e9 tokens.
+    hf = schedule(1_000_000, 1370, 160, gpus=1)
+    assert hf.tokens == 1.37e9
+    assert hf.wall_s == pytest.approx(1.37e9 / 160)  # 8,562,500 s
+    assert hf.wall_s / DAY == pytest.approx(99.10, abs=0.01)
+    assert hf.gpu_hours == pytest.approx(2378.47, abs=0.01)
+    batched = schedule(1_000_000, 1370, 1200, gpus=1)
+    assert batched.wall_s / DAY == pytest.approx(13.21, abs=0.01)
+    subset = schedule(300_000, 1370, 1200, gpus=1)
+    assert subset.wall_s / DAY == pytest.approx(3.96, abs=0.01)
+
+    # 8 GPUs as 4 tensor-parallel pairs at 2,000 tok/s per pair: 1.37e9 / 8,000 s; GPU-hours count both GPUs.
+    tp = schedule(1_000_000, 1370, 2000, gpus=8, gpus_per_worker=2)
+    assert tp.wall_s == pytest.approx(171_250.0)
+    assert tp.gpu_hours == pytest.approx(1.37e9 / 2000 * 2 / 3600)
+    with pytest.raises(ValueError, match="do not split"):
+        schedule(10, 10, 10, gpus=3, gpus_per_worker=2)
+    with pytest.raises(ValueError, match="positive"):
+        schedule(10, 10, 0, gpus=1)
+
+
+def test_hidden_state_storage():
+    # 800K samples x 3K tokens, K=5, hidden 5120: 2.4e9 x 51,200 B = 122.88 TB in bf16, half in fp8.
+    assert hidden_state_bytes(2.4e9, 5, 5120, 2) == pytest.approx(122.88e12)
+    assert hidden_state_bytes(2.4e9, 5, 5120, 1) == pytest.approx(61.44e12)
+    assert hidden_state_bytes(1, 1, 10, 2) == 20
+
+
+def test_output_tokens_from_the_thinking_mix():
+    assert policy_output_tokens(1.0, 4096) == 2048
+    assert policy_output_tokens(0.0, 4096) == 512
+    assert policy_output_tokens(1.0, 1000) == 1000  # capped by max_tokens
+    assert policy_output_tokens(0.25, 1024) == pytest.approx(0.25 * 1024 + 0.75 * 512)
+    assert policy_output_tokens(0.5, 8192, thinking_tokens=3000, plain_tokens=400) == 1700
+
+
+def test_standard_error_of_the_extrapolated_total():
+    stats = PromptStats(100, 0, 0, 10, 50.0, 20.0, 1.0)
+    assert stats.prompt_tokens == 5000
+    assert stats.prompt_tokens_se == pytest.approx(100 * 20 / math.sqrt(10) * math.sqrt(90 / 99))  # 603.02
+    assert PromptStats(100, 0, 0, 100, 50.0, 20.0, 1.0).prompt_tokens_se == 0  # every prompt tokenised
+
+
+def test_measured_averages_from_counters():
+    run = measured_from_counters({
+        "generate_samples": 200, "generate_completion_tokens": 300_000, "generate_busy_ms": 250_000,
+        "extract_tokens": 400_000, "extract_busy_ms": 40_000,
+    })
+    assert run.output_tokens_per_sample == 1500
+    assert run.generate_tokens_per_s == 1200
+    assert run.extract_tokens_per_s == 10_000
+    assert measured_from_counters({}).output_tokens_per_sample is None
+
+
+def test_reservoir_is_a_uniform_sample_of_distinct_items():
+    kept, seen = reservoir(iter(range(1000)), 50, random.Random(1))
+    assert seen == 1000 and len(set(kept)) == 50
+    assert reservoir(iter(range(5)), 50, random.Random(1)) == ([0, 1, 2, 3, 4], 5)
+    # Each item is kept with probability 50/1000: over many draws the late items are as likely as early ones.
+    late = sum(x >= 500 for _ in range(200) for x in reservoir(iter(range(1000)), 50, random.Random(_))[0])
+    assert 0.45 < late / (200 * 50) < 0.55
+
+
+def exact_prompt_tokens(config, tiny_model) -> list[int]:
+    formatter = ChatFormatter(AutoTokenizer.from_pretrained(tiny_model))
+    samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)]
+    thinking = config.dataset.thinking == "always"
+    return [len(formatter.prompt_ids(s.messages, enable_thinking=thinking)) for s in samples]
+
+
+def test_counting_prompts_with_the_real_tokenizer(make_config, tiny_model):
+    config = make_config()
+    exact = exact_prompt_tokens(config, tiny_model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    whole = count_prompts(config, [SAMPLE], tokenizer, sample_size=1000)
+    assert whole.prompts == len(exact) == 50 and whole.sample_size == 50
+    assert whole.prompt_tokens == pytest.approx(sum(exact)) and whole.prompt_tokens_se == 0
+    assert whole.thinking_share == 1.0
+
+    sampled = count_prompts(config, [SAMPLE], tokenizer, sample_size=20, seed=3)
+    assert sampled.sample_size == 20 and sampled.prompt_tokens_se > 0
+    assert abs(sampled.prompt_tokens - sum(exact)) < 4 * sampled.prompt_tokens_se
+
+
+def plan_json(config, *args) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", config.source, "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_plan_command_end_to_end(make_config, tiny_model):
+    config = make_config(**{"generate.sampling": {"max_tokens": 48}})
+    plan = plan_json(config, "--gpus", "2", "--tokens-per-second", "160", "--tokens-per-second", "1200",
+                     "--subset", "300000", "--sample-size", "1000")
+    exact = sum(exact_prompt_tokens(config, tiny_model))
+    assert plan["prompts"] == 50 and plan["prompt_tokens"]["total"] == pytest.approx(exact)
+    assert plan["output_tokens"]["per_prompt"] == 48  # thinking always: 2,048 capped at max_tokens 48
+    assert plan["hidden_states"]["layers"] == 3 and plan["hidden_states"]["hidden_size"] == 128
+    tokens = 50 * (exact / 50 + 48)
+    assert plan["hidden_states"]["bf16_bytes"] == pytest.approx(tokens * 3 * 128 * 2)
+    assert plan["hidden_states"]["fp8_bytes"] == pytest.approx(tokens * 3 * 128)
+    assert plan["populations"] == [50, 300_000]
+    hf, batched = plan["generate"]
+    assert hf["tokens_per_s"] == 160 and batched["tokens_per_s"] == 1200
+    subset = batched["runs"][1]
+    assert subset["tokens"] == 300_000 * 48
+    assert subset["wall_s"] == pytest.approx(300_000 * 48 / 1200 / 2)  # two workers
+    assert subset["gpu_hours"] == pytest.approx(300_000 * 48 / 1200 / 3600)
+    assert plan["extract"] == []
+
+
+def test_plan_uses_a_runs_measured_averages(make_config, redis_url):
+    config = make_config()
+    Ledger.from_url(redis_url, config.run.name).add({
+        "generate_samples": 10, "generate_completion_tokens": 400, "generate_busy_ms": 2000,
+        "extract_tokens": 1500, "extract_busy_ms": 500,
+    })
+    plan = plan_json(config, "--measured", "--tokens-per-second", "100")
+    assert plan["output_tokens"]["per_prompt"] == 40
+    assert plan["output_tokens"]["source"] == "measured over 10 generated samples"
+    measured_generate = plan["generate"][-1]
+    assert measured_generate["tokens_per_s"] == 200 and measured_generate["label"] == "measured 200 tok/s"
+    assert measured_generate["runs"][0]["wall_s"] == pytest.approx(50 * 40 / 200)
+    assert plan["extract"][0]["tokens_per_s"] == 3000
+
+
+def test_plan_text_answers_in_one_table(make_config):
+    config = make_config(**{"generate.sampling": {"max_tokens": 4096}})
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", config.source, "--subset", "300000",
+         "--subset", "1000000", "--thinking-tokens", "1370"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "160"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    # 1M prompts x 1,370 tokens at 160 tok/s: 99.1 days; at 1,200: 13.2 days; 300K at 1,200: 4.0 days.
+    assert "99.1 days" in out and "13.2 days" in out and "4.0 days" in out

@@ -1,0 +1,161 @@
+"""`dflash-queue status` against a real job: every figure compared with what the job is known to have made."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from dflash_queue.ledger import DONE, Ledger
+from dflash_queue.ops.status import (
+    WorkerView,
+    collect_status,
+    counters_dead_letters,
+    queue_depth,
+    redact,
+    register_dead_letter_source,
+    unacked_by_queue,
+)
+from dflash_queue.ops.status_view import status_table
+from dflash_queue.producer import Producer
+from dflash_queue.queue.app import configure_app
+from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.training import TrainingShard
+from dflash_queue.storage import open_storage
+from dflash_queue.storage.keys import completions_key, shard_key
+from dflash_queue.testing.polling import wait_for_states
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
+
+
+def status_json(config) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "status", "-c", config.source, "--json", "--timeout", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.slow
+def test_status_figures_match_a_real_job(make_config, redis_url, start_worker, tmp_path):
+    config = make_config(dataset={"shard_size": 8, "thinking": "never"}, **{"generate.sampling": {"max_tokens": 16}})
+    configure_app(config)
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(SAMPLE.read_text().splitlines()[:20]) + "\n")  # 20 samples: shards of 8, 8, 4
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    report = Producer(config, ledger).enqueue([dataset])
+    assert report.enqueued == 3
+
+    before = status_json(config)
+    gen, ext = before["lanes"]["generate"], before["lanes"]["extract"]
+    assert (gen["queued"], gen["reserved"], gen["running"], gen["workers"]) == (3, 0, None, [])
+    assert (ext["queued"], ext["shards_remaining"]) == (0, 3)
+    assert (gen["samples_total"], gen["samples_done"], gen["shards_total"], gen["shards_remaining"]) == (20, 0, 3, 3)
+    assert gen["eta_s"] is None and before["eta_s"] is None and not before["finished"]
+
+    workers = [start_worker(config, "generate"), start_worker(config, "extract")]
+    wait_for_states(ledger, report.shard_ids, {DONE}, timeout=300, workers=workers)
+
+    # What the job made, read back from storage independently of the ledger.
+    storage = open_storage(config.storage.url)
+    prompt_tokens = completion_tokens = extract_tokens = extract_bytes = 0
+    for shard_id in report.shard_ids:
+        for record in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id):
+            prompt_tokens += len(record.prompt_ids)
+            completion_tokens += len(record.completion_ids)
+        with storage.local_copy(shard_key(shard_id)) as path:
+            extract_tokens += TrainingShard(path).num_tokens
+            extract_bytes += path.stat().st_size
+
+    after = status_json(config)
+    gen, ext = after["lanes"]["generate"], after["lanes"]["extract"]
+    assert gen["totals"] == {"samples": 20, "prompt_tokens": prompt_tokens, "generated_tokens": completion_tokens}
+    assert ext["totals"] == {"samples": 20, "tokens": extract_tokens, "bytes": extract_bytes}
+    assert extract_tokens == prompt_tokens + completion_tokens
+    for lane, worker in (("generate", workers[0]), ("extract", workers[1])):
+        s = after["lanes"][lane]
+        assert (s["queued"], s["reserved"], s["running"]) == (0, 0, 0)
+        assert s["workers"] == [worker.hostname]
+        assert (s["shards_done"], s["shards_failed"], s["shards_remaining"], s["samples_done"]) == (3, 0, 0, 20)
+        assert s["eta_s"] == 0.0 and s["dead_letters"] == 0
+    assert after["finished"] and after["eta_s"] == 0.0
+    # The whole job fits in the window: each rate times the span it was measured over is the total.
+    span = after["window_span_s"]
+    assert 0 < span <= after["window_s"]
+    for lane in (gen, ext):
+        for label, total in lane["totals"].items():
+            assert lane["rates"][label] * span == pytest.approx(total)
+    counters = ledger.counters()
+    assert counters["generate_busy_ms"] > 0 and counters["extract_busy_ms"] > 0
+
+    # Counters live in Redis: with every worker gone, the figures stay.
+    for worker in workers:
+        worker.stop()
+    stopped = status_json(config)
+    assert stopped["lanes"]["generate"]["workers"] == [] and stopped["lanes"]["generate"]["running"] is None
+    assert stopped["lanes"]["generate"]["totals"] == gen["totals"]
+    assert stopped["lanes"]["extract"]["totals"] == ext["totals"]
+
+
+def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redis_url):
+    """A ledger written through its own API at known times gives a known ETA; plug-in counts show up."""
+    config = make_config()
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    now = 1_800_000_000.0
+    for index in range(10):
+        ledger.set_state(f"s{index}", DONE if index < 4 else "queued", num_samples=8)
+    ledger.mark_failed("s9", "dfq.extract: RuntimeError: boom")
+    ledger.add({"enqueued_samples": 80}, now=now - 300)
+    # In the last 5 minutes: 4 shards generated and extracted, so 1 shard per 75 s per lane.
+    ledger.add({"generate_shards": 4, "generate_samples": 32, "quality_dropped_stub": 3,
+                "quality_flagged_truncated": 2, "quality_dropped_empty": 1, "dead_letters_generate": 2}, now=now - 10)
+    ledger.add({"extract_shards": 4, "extract_samples": 26}, now=now - 5)
+
+    status = collect_status(config, window_s=600, workers=WorkerView(), now=now)
+    gen, ext = status.lanes["generate"], status.lanes["extract"]
+    assert status.window_span_s == pytest.approx(300.0)
+    assert (gen.shards_done, gen.shards_remaining, gen.shards_failed) == (4, 5, 0)
+    assert (ext.shards_done, ext.shards_remaining, ext.shards_failed) == (4, 5, 1)
+    assert gen.eta_s == pytest.approx(5 * 75.0) and ext.eta_s == pytest.approx(5 * 75.0)
+    assert gen.quality == {"quality_dropped_empty": 1, "quality_dropped_stub": 3, "quality_flagged_truncated": 2}
+    assert gen.quality_dropped == 4
+    assert (gen.dead_letters, ext.dead_letters) == (2, 0)
+
+    register_dead_letter_source(lambda client, run, counters: {"extract": 7})
+    try:
+        assert collect_status(config, workers=WorkerView(), now=now).lanes["extract"].dead_letters == 7
+    finally:
+        register_dead_letter_source(counters_dead_letters)
+    text = _render(status)
+    assert "4 dropped" in text and "6 min" in text
+
+
+def test_queue_depth_counts_priority_queues_and_unacked_by_lane(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.rpush("generate", "a", "b")
+    client.rpush("generate\x06\x169", "c")  # kombu's sub-queue for priority 9
+    client.hset("unacked", mapping={
+        "t1": json.dumps([{}, "generate", "generate"]),
+        "t2": json.dumps([{}, "extract", "extract"]),
+        "t3": json.dumps([{}, "extract", "extract"]),
+    })
+    assert queue_depth(client, "generate") == 3 and queue_depth(client, "extract") == 0
+    assert unacked_by_queue(client) == {"generate": 1, "extract": 2}
+    assert redact("redis://:hunter2@host:6379/0") == "redis://:***@host:6379/0"
+    assert redact("redis://user:pw@host/1") == "redis://user:***@host/1"
+
+
+def _render(status) -> str:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(status_table(status))
+    return console.export_text()

@@ -1,0 +1,197 @@
+"""Units rendered for a config and a GPU layout, checked by `systemd-analyze verify`, and their worker command
+run for real as systemd would run it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_queue.ops.systemd import (
+    InstallSettings,
+    UnitLayout,
+    detect_systemd_version,
+    install_units,
+    render_units,
+)
+from dflash_queue.queue.app import configure_app
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+needs_systemd_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
+LAYOUT = UnitLayout(generate=((0, 1), (2,)), extract=((3,),))
+
+
+def settings(tmp_path: Path, config, **overrides) -> InstallSettings:
+    values = dict(
+        config_path=Path(config.source),
+        env_file=tmp_path / "etc" / "dflash.env",
+        systemd_version=detect_systemd_version(),
+    )
+    values.update(overrides)
+    return InstallSettings(**values)
+
+
+def verify(unit_dir: Path, *units: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", *(str(unit_dir / unit) for unit in units)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def directive(text: str, key: str) -> list[str]:
+    return re.findall(rf"^{key}=(.*)$", text, flags=re.M)
+
+
+@needs_systemd_analyze
+def test_installed_units_pass_systemd_analyze_verify(make_config, tmp_path):
+    config = make_config()
+    dest = tmp_path / "units"
+    report = install_units(config, LAYOUT, settings(tmp_path, config), dest, node_gpus=(0, 1, 2, 3))
+    assert sorted(p.name for p in report.written) == [
+        "dflash-extract@.service",
+        "dflash-flower.service",
+        "dflash-generate@.service",
+        "dflash.target",
+    ]
+    # Instances are verified as systemd would load them: the instance name names the GPUs.
+    instances = report.instances
+    assert instances == [
+        "dflash-generate@0-1.service",
+        "dflash-generate@2.service",
+        "dflash-extract@3.service",
+        "dflash-flower.service",
+    ]
+    result = verify(
+        dest, "dflash-generate@0-1.service", "dflash-extract@3.service", "dflash-flower.service", "dflash.target"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Unknown key" not in result.stderr and "Failed" not in result.stderr, result.stderr
+
+    generate = (dest / "dflash-generate@.service").read_text()
+    assert directive(generate, "KillMode") == ["mixed"]
+    assert directive(generate, "KillSignal") == ["SIGTERM"]
+    assert int(directive(generate, "TimeoutStopSec")[0]) > config.broker.task_timeout_s
+    assert directive(generate, "Restart") == ["on-failure"]
+    assert directive(generate, "StandardOutput") == ["journal"]
+    assert directive(generate, "EnvironmentFile") == [str(tmp_path / "etc" / "dflash.env")]
+    exec_start = directive(generate, "ExecStart")[0]
+    assert "--gpus %i --hostname generate-%i@%%h" in exec_start
+    assert f"-c {Path(config.source).resolve()}" in exec_start
+    target = (dest / "dflash.target").read_text()
+    assert directive(target, "Wants") == [" ".join(instances)]
+
+
+@needs_systemd_analyze
+def test_verify_catches_a_missing_executable(make_config, tmp_path):
+    """The verification has teeth: a unit pointing at a binary that does not exist fails it."""
+    config = make_config()
+    dest = tmp_path / "units"
+    install_units(config, LAYOUT, settings(tmp_path, config, exec_command="/nonexistent/bin/dflash-queue"), dest)
+    result = verify(dest, "dflash-flower.service")
+    assert result.returncode != 0
+    assert "/nonexistent/bin/dflash-queue" in result.stderr
+
+
+def test_backoff_keys_only_for_a_systemd_that_knows_them(make_config, tmp_path):
+    config = make_config()
+    old = render_units(config, LAYOUT, settings(tmp_path, config, systemd_version=252))
+    new = render_units(config, LAYOUT, settings(tmp_path, config, systemd_version=254))
+    assert "RestartSteps" not in old["dflash-generate@.service"]
+    assert directive(new["dflash-generate@.service"], "RestartSteps") == ["5"]
+    assert directive(new["dflash-generate@.service"], "RestartMaxDelaySec") == ["600"]
+    for text in (*old.values(), *new.values()):
+        assert "@" not in "".join(re.findall(r"@[A-Z_]+@", text))  # no placeholder left
+
+
+def test_layout_errors_and_warnings(make_config, tmp_path):
+    with pytest.raises(ValueError, match="GPU 1 is in two generate groups"):
+        UnitLayout(generate=((0, 1), (1,))).check()
+    with pytest.raises(ValueError, match="GPU 4 is not one of this node's GPUs"):
+        UnitLayout(extract=((4,),)).check((0, 1, 2, 3))
+    with pytest.raises(ValueError, match="no workers"):
+        UnitLayout().check()
+    assert UnitLayout(generate=((0,),), extract=((0,),)).check() == [
+        "GPUs [0] run both a generate and an extract worker: both engines must fit in memory"
+    ]
+
+
+def test_env_file_is_private_and_kept_unless_forced(make_config, tmp_path):
+    config = make_config()
+    s = settings(tmp_path, config)
+    install_units(config, LAYOUT, s, tmp_path / "units")
+    text = s.env_file.read_text()
+    assert stat.S_IMODE(s.env_file.stat().st_mode) == 0o600
+    assert f"DFQ_BROKER_URL={config.broker.url}" in text
+    assert f"DFQ_STORAGE_URL={config.storage.url}" in text
+    assert re.search(r"^FLOWER_BASIC_AUTH=admin:\S{16,}$", text, flags=re.M)
+    assert "#AWS_SECRET_ACCESS_KEY=" in text
+
+    s.env_file.write_text("FLOWER_BASIC_AUTH=ops:mine\n")
+    report = install_units(config, LAYOUT, s, tmp_path / "units")
+    assert report.env_file_kept and s.env_file.read_text() == "FLOWER_BASIC_AUTH=ops:mine\n"
+    install_units(config, LAYOUT, s, tmp_path / "units", force_env=True)
+    assert "DFQ_BROKER_URL" in s.env_file.read_text()
+
+
+def systemd_command(unit_text: str, instance: str) -> list[str]:
+    """ExecStart as systemd runs it for an instance: %i is the instance, %% a literal %."""
+    line = directive(unit_text, "ExecStart")[0]
+
+    def expand(match: re.Match) -> str:
+        specifier = match.group(1)
+        assert specifier in "i%", f"unexpected systemd specifier %{specifier} in {line}"
+        return instance if specifier == "i" else "%"
+
+    return shlex.split(re.sub(r"%(.)", expand, line))
+
+
+def environment(unit_text: str, env_file: Path) -> dict[str, str]:
+    """The unit's Environment= lines plus its EnvironmentFile, as systemd would pass them."""
+    env = {k: v for line in directive(unit_text, "Environment") for k, _, v in [line.strip('"').partition("=")]}
+    for line in env_file.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            env[key] = value
+    return env
+
+
+@pytest.mark.slow
+def test_generate_unit_command_starts_a_worker_named_for_its_gpus(make_config, tmp_path):
+    """Run the rendered ExecStart for instance 0-1: a real worker, node name generate-0-1@<host>."""
+    config = make_config()
+    s = settings(tmp_path, config)
+    report = install_units(config, LAYOUT, s, tmp_path / "units")
+    unit = (tmp_path / "units" / "dflash-generate@.service").read_text()
+    command = systemd_command(unit, "0-1")
+    env = {**os.environ, **environment(unit, s.env_file)}
+    log = open(tmp_path / "worker.log", "wb")
+    workdir = directive(unit, "WorkingDirectory")[0]
+    worker = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+    node = f"generate-0-1@{socket.gethostname()}"
+    app = configure_app(config)
+    try:
+        replies = []
+        for _ in range(600):
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+            replies = app.control.ping(destination=[node], timeout=0.5)
+            if replies:
+                break
+        assert replies == [{node: {"ok": "pong"}}]
+        queues = app.control.inspect(destination=[node], timeout=5).active_queues()
+        assert [q["name"] for q in queues[node]] == ["generate"]
+    finally:
+        worker.terminate()  # what systemd's KillMode=mixed sends first: a warm shutdown
+        code = worker.wait(timeout=60)
+        log.close()
+    assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    assert report.written
