@@ -52,7 +52,7 @@ def test_config_objects_are_frozen(tmp_path, model_dir):
         ({"generate.sampling": {"temperature": -1.0}}, "generate.sampling.temperature", "greater than or equal"),
         ({"broker": {"visibility_timeout_s": 60, "task_timeout_s": 120}}, "broker", "must exceed task_timeout_s"),
         ({"extract": {"layer_ids": [1, 1]}}, "extract", "distinct"),
-        ({"dataset": {"thinking": "sometimes"}}, "dataset.thinking", "'always' or 'never'"),
+        ({"dataset": {"thinking": "sometimes"}}, "dataset.thinking", "'always', 'never' or 'auto'"),
     ],
 )
 def test_bad_values_name_file_and_key(tmp_path, model_dir, tables, key, words):
