@@ -43,7 +43,7 @@ def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
     if not summary.skipped:
         rt.ledger.add(summary.counters())
     rt.ledger.set_state(shard_id, states.GENERATED)
-    extract_shard.apply_async(args=(shard_id, summary.num_samples, fingerprint), queue=EXTRACT_QUEUE)
+    extract_shard.apply_async(args=(shard_id, summary.kept, fingerprint), queue=EXTRACT_QUEUE)
     log.info(
         "generated shard %s: %d samples, %d completion tokens%s",
         shard_id,
