@@ -1,0 +1,86 @@
+"""The length filter: prompt tokens counted with the target's tokenizer and chat template, at staging time.
+
+A prompt is skipped when its templated token count plus the generation budget exceeds max_model_len. When
+every assistant turn is regenerated, the conversation's other turns plus one generation budget must fit.
+Counting is batched: one template call and one fast-tokenizer call per batch of samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from dflash_queue.data.problems import BadRecord
+from dflash_queue.data.samples import Message, Sample
+
+BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Counted:
+    sample: Sample
+    prompt_tokens: int
+
+
+def counted_messages(sample: Sample) -> tuple[Message, ...]:
+    """The messages whose template rendering is counted: the prompt, or every turn but the final slot."""
+    if sample.regenerate == "all":
+        return sample.messages[:-1]
+    return sample.messages
+
+
+class LengthFilter:
+    def __init__(self, formatter, *, max_model_len: int, budget: int, batch: int = BATCH) -> None:
+        self.formatter = formatter
+        self.max_model_len = max_model_len
+        self.budget = budget
+        self.limit = max_model_len - budget
+        self.batch = batch
+
+    def count(self, samples: list[Sample]) -> list[int]:
+        """Templated prompt tokens of each sample (with its own thinking setting)."""
+        counts = [0] * len(samples)
+        for thinking in (True, False):
+            picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
+            if not picked:
+                continue
+            texts = self.formatter.render_batch(
+                [counted_messages(samples[i]) for i in picked], enable_thinking=thinking
+            )
+            for index, tokens in zip(picked, self.formatter.count_tokens(texts)):
+                counts[index] = tokens
+        return counts
+
+    def filter(self, samples: Iterable[Sample]) -> Iterator[Counted | BadRecord]:
+        """Samples that fit, with their token counts, in order; a `BadRecord` for each one that does not."""
+        pending: list[Sample] = []
+        for sample in samples:
+            pending.append(sample)
+            if len(pending) >= self.batch:
+                yield from self._flush(pending)
+                pending = []
+        if pending:
+            yield from self._flush(pending)
+
+    def _flush(self, samples: list[Sample]) -> Iterator[Counted | BadRecord]:
+        for sample, tokens in zip(samples, self.count(samples)):
+            if tokens <= self.limit:
+                yield Counted(sample, tokens)
+            else:
+                file, line, unit = source_position(sample.source)
+                yield BadRecord(
+                    file,
+                    line,
+                    f"prompt too long: {tokens} tokens leave {self.max_model_len - tokens} < {self.budget} "
+                    f"for generation inside max_model_len {self.max_model_len}",
+                    unit=unit,
+                )
+
+
+def source_position(source: str) -> tuple[str, int, str]:
+    """(file, line or row, unit) of a sample's source ("file:line" or "file#row")."""
+    for separator, unit in ((":", "line"), ("#", "row")):
+        file, found, position = source.rpartition(separator)
+        if found and position.isdigit():
+            return file, int(position), unit
+    return source, 0, "line"
