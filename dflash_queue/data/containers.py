@@ -99,12 +99,57 @@ def _open_text_stream(path: Path, compression: Compression) -> IO[bytes]:
     if compression == "gzip":
         return gzip.open(path, "rb")
     if compression == "zstd":
+        return io.BufferedReader(_ZstdReader(open(path, "rb")), buffer_size=1 << 20)
+    return open(path, "rb", buffering=1 << 20)
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompresses a file of zstd frames and raises EOFError when the file ends inside a frame (a truncated
+    file), which zstandard's own stream reader lets pass silently."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
         import zstandard
 
-        raw = open(path, "rb")
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.BufferedReader(reader, buffer_size=1 << 20)  # type: ignore[arg-type]
-    return open(path, "rb", buffering=1 << 20)
+        self._raw = raw
+        self._context = zstandard.ZstdDecompressor()
+        self._frame = self._context.decompressobj()
+        self._frame_fed = False
+        self._out = b""
+        self._pos = 0
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._pos >= len(self._out) and not self._done:
+            chunk = self._raw.read(1 << 20)
+            if not chunk:
+                if self._frame_fed and not self._frame.eof:
+                    raise EOFError("zstd data ended inside a frame")
+                self._done = True
+                break
+            self._out, self._pos = self._feed(chunk), 0
+        count = min(len(buffer), len(self._out) - self._pos)
+        buffer[:count] = self._out[self._pos : self._pos + count]
+        self._pos += count
+        return count
+
+    def _feed(self, chunk: bytes) -> bytes:
+        out = [self._frame.decompress(chunk)]
+        self._frame_fed = True
+        while self._frame.eof:
+            rest = self._frame.unused_data
+            self._frame = self._context.decompressobj()
+            self._frame_fed = bool(rest)
+            if not rest:
+                break
+            out.append(self._frame.decompress(rest))
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def _first_significant_byte(stream: IO[bytes]) -> bytes:

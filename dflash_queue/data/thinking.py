@@ -42,9 +42,9 @@ _REASONING = re.compile(
     _FLAGS,
 )
 _CLASSIFY = re.compile(
-    r"\b(classify|classification|categori[sz]e|category|categories|sentiment|label (each|the|this|these)"
+    r"\b(classif(y|ier|ication)|categori[sz]e|category|categories|sentiment|label (each|the|this|these)"
     r"|is this (spam|positive|negative)|spam or not|positive or negative|yes or no|true or false"
-    r"|which language|formal or informal|one of:)\b",
+    r"|which language|formal or informal)\b|\bone of:",
     _FLAGS,
 )
 _EXTRACT = re.compile(
