@@ -6,14 +6,16 @@ Re-running it is safe: a shard whose training file exists is done, and a shard t
 in progress already has a message; both are skipped. Shard ids derive from sample ids, so the same dataset
 always makes the same shards.
 
-Speed: token counting is batched through the fast tokenizer; shards are handled in groups, with one ledger
-read and one ledger write per group. A shard is marked queued before its message is sent, so a worker's
-state update can never be overwritten by the producer's.
+Speed: token counting is batched through the fast tokenizer (on a second thread); shards are handled in
+groups, with one ledger read and one ledger write per group, and a group's prompt files are written by a
+thread pool while the next group is read. A shard's message is sent only once its prompt file is stored, and
+the shard is marked queued before its message is sent, so a worker's state update is never overwritten.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +32,15 @@ from dflash_queue.storage.keys import SHARDS, prompts_key, shard_id_of
 
 # Shards per ledger round trip.
 SHARD_GROUP = 64
+# Concurrent prompt-file writes (storage latency, fsync, object-store PUTs).
+STORAGE_THREADS = 8
+
+
+@dataclass
+class _StagedGroup:
+    group: list[list[Sample]]
+    to_send: list[tuple[str, int]]
+    writes: list[Future]
 
 
 @dataclass
@@ -159,8 +170,15 @@ class Producer:
         report = EnqueueReport()
         done = {shard_id_of(key) for key in self.storage.list(SHARDS + "/")}
         samples = iter_samples(self.config, paths, report, self.length_filter)
-        for group in batched(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):
-            self._enqueue_group(group, done, report, send, on_shard)
+        with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
+            pending: _StagedGroup | None = None
+            for group in batched(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):
+                staged = self._stage_group(group, done, report, pool)
+                if pending is not None:
+                    self._send_group(pending, report, send, on_shard)
+                pending = staged
+            if pending is not None:
+                self._send_group(pending, report, send, on_shard)
         self.ledger.add(
             {
                 "enqueued_samples": report.staged,
@@ -171,17 +189,13 @@ class Producer:
         )
         return report
 
-    def _enqueue_group(
-        self,
-        group: list[list[Sample]],
-        done: set[str],
-        report: EnqueueReport,
-        send: Callable[[str, int, str], None],
-        on_shard: Callable[[int], None] | None,
-    ) -> None:
+    def _stage_group(
+        self, group: list[list[Sample]], done: set[str], report: EnqueueReport, pool: ThreadPoolExecutor
+    ) -> _StagedGroup:
+        """Skip what is done or queued; start writing the prompt files of the rest."""
         shard_ids = [prompt_shard_id(shard) for shard in group]
         states = self.ledger.states(shard_ids)
-        to_send: list[tuple[str, list[Sample]]] = []
+        staged = _StagedGroup(group, [], [])
         for shard_id, shard in zip(shard_ids, group):
             report.shards += 1
             report.shard_ids.append(shard_id)
@@ -192,20 +206,34 @@ class Producer:
                 report.pending_samples += len(shard)
             else:
                 # Content-addressed key: rewriting it writes the same bytes, so no existence check is needed.
-                self.storage.write_bytes(prompts_key(shard_id), encode_prompts(shard))
-                to_send.append((shard_id, shard))
-        self.ledger.mark_queued({shard_id: len(shard) for shard_id, shard in to_send})
-        for position, (shard_id, shard) in enumerate(to_send):
+                data = encode_prompts(shard)
+                staged.writes.append(pool.submit(self.storage.write_bytes, prompts_key(shard_id), data))
+                staged.to_send.append((shard_id, len(shard)))
+        return staged
+
+    def _send_group(
+        self,
+        staged: _StagedGroup,
+        report: EnqueueReport,
+        send: Callable[[str, int, str], None],
+        on_shard: Callable[[int], None] | None,
+    ) -> None:
+        """Once the group's prompt files are stored: mark its shards queued, then send their messages."""
+        wait(staged.writes)
+        for write in staged.writes:
+            write.result()  # a failed write raises here, before anything of this group is queued
+        self.ledger.mark_queued(dict(staged.to_send))
+        for position, (shard_id, size) in enumerate(staged.to_send):
             try:
-                send(shard_id, len(shard), self.fingerprint)
+                send(shard_id, size, self.fingerprint)
             except BaseException:
                 # Nothing was sent for these: leave no "queued" state that would make a rerun skip them.
-                self.ledger.forget([s for s, _ in to_send[position:]])
+                self.ledger.forget([s for s, _ in staged.to_send[position:]])
                 raise
             report.enqueued += 1
-            report.pending_samples += len(shard)
+            report.pending_samples += size
         if on_shard:
-            for shard in group:
+            for shard in staged.group:
                 on_shard(len(shard))
 
 

@@ -2,12 +2,15 @@
 
 A prompt is skipped when its templated token count plus the generation budget exceeds max_model_len. When
 every assistant turn is regenerated, the conversation's other turns plus one generation budget must fit.
-Counting is batched: one template call and one fast-tokenizer call per batch of samples.
+Counting is batched: one template call and one fast-tokenizer call per batch of samples. The fast tokenizer
+releases the GIL, so batches are tokenized on a second thread while the next batch is read and rendered.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from dflash_queue.data.problems import BadRecord
@@ -39,31 +42,40 @@ class LengthFilter:
 
     def count(self, samples: list[Sample]) -> list[int]:
         """Templated prompt tokens of each sample (with its own thinking setting)."""
-        counts = [0] * len(samples)
+        return self._tokenize(self._render(samples))
+
+    def _render(self, samples: list[Sample]) -> list[tuple[list[int], list[str]]]:
+        """(positions, templated texts) per thinking setting: the template takes it per call."""
+        groups = []
         for thinking in (True, False):
             picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
-            if not picked:
-                continue
-            texts = self.formatter.render_batch(
-                [counted_messages(samples[i]) for i in picked], enable_thinking=thinking
-            )
+            if picked:
+                texts = self.formatter.render_batch(
+                    [counted_messages(samples[i]) for i in picked], enable_thinking=thinking
+                )
+                groups.append((picked, texts))
+        return groups
+
+    def _tokenize(self, groups: list[tuple[list[int], list[str]]]) -> list[int]:
+        counts = [0] * sum(len(picked) for picked, _ in groups)
+        for picked, texts in groups:
             for index, tokens in zip(picked, self.formatter.count_tokens(texts)):
                 counts[index] = tokens
         return counts
 
     def filter(self, samples: Iterable[Sample]) -> Iterator[Counted | BadRecord]:
         """Samples that fit, with their token counts, in order; a `BadRecord` for each one that does not."""
-        pending: list[Sample] = []
-        for sample in samples:
-            pending.append(sample)
-            if len(pending) >= self.batch:
-                yield from self._flush(pending)
-                pending = []
-        if pending:
-            yield from self._flush(pending)
+        in_flight: deque[tuple[list[Sample], Future[list[int]]]] = deque()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dfq-count") as pool:
+            for batch in _batches(samples, self.batch):
+                in_flight.append((batch, pool.submit(self._tokenize, self._render(batch))))
+                if len(in_flight) > 2:
+                    yield from self._judge(*in_flight.popleft())
+            while in_flight:
+                yield from self._judge(*in_flight.popleft())
 
-    def _flush(self, samples: list[Sample]) -> Iterator[Counted | BadRecord]:
-        for sample, tokens in zip(samples, self.count(samples)):
+    def _judge(self, samples: list[Sample], counted: Future[list[int]]) -> Iterator[Counted | BadRecord]:
+        for sample, tokens in zip(samples, counted.result()):
             if tokens <= self.limit:
                 yield Counted(sample, tokens)
             else:
@@ -75,6 +87,17 @@ class LengthFilter:
                     f"for generation inside max_model_len {self.max_model_len}",
                     unit=unit,
                 )
+
+
+def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+    batch: list[Sample] = []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def source_position(source: str) -> tuple[str, int, str]:
