@@ -98,10 +98,10 @@ def main() -> None:
             read_s = time.perf_counter() - started
 
             started = time.perf_counter()
-            cpu = time.process_time()
+            cpu, main_cpu = time.process_time(), time.thread_time()
             report = Producer(config, Ledger.from_url(server.url, config.run.name)).enqueue([dataset])
             staging_s = time.perf_counter() - started
-            staging_cpu = time.process_time() - cpu
+            staging_cpu, main_cpu = time.process_time() - cpu, time.thread_time() - main_cpu
             memory = client.info("memory")
             queued = client.llen(GENERATE_QUEUE)
             load = os.getloadavg()
@@ -112,7 +112,7 @@ def main() -> None:
     print(f"shards: {report.shards} written, {queued} messages queued")
     print(f"read + parse + dedupe only: {read_s:.1f} s ({read_report.samples / read_s:,.0f} prompts/s)")
     print(f"full staging:               {staging_s:.1f} s ({report.samples / staging_s:,.0f} prompts/s, "
-          f"{staging_cpu:.1f} s CPU in this process)")
+          f"{staging_cpu:.1f} s CPU in this process, {main_cpu:.1f} s of it on the main thread)")
     print(f"staging_time / read_time = {staging_s / read_s:.2f}")
     print(f"staging time / 180 s target = {staging_s / 180:.2f}")
     print(f"redis used_memory_peak: {memory['used_memory_peak'] / 1e6:.1f} MB (target < 50 MB); "

@@ -101,7 +101,8 @@ class TurnGenerator:
             retried = self._generate([active[i] for i in again], self.retry_max_tokens, attempt=1)
             for index, generation in zip(again, retried):
                 generations[index] = generation
-                verdicts[index] = self._judge(active[index], generation, retried=verdicts[index].failed)
+                reasons = tuple(c for c in verdicts[index].failed if self.gate.policy[c] == RETRY)
+                verdicts[index] = self._judge(active[index], generation, retried=reasons)
         for conversation, generation, verdict in zip(active, generations, verdicts):
             self._finish_turn(conversation, generation, verdict)
 
