@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_queue.audit.stats import brief, counts_of, describe, share
-from dflash_queue.data.length import LengthFilter, counted_messages
+from dflash_queue.data.length import LengthFilter, count_prompt_tokens
 from dflash_queue.data.problems import BadRecord, ProblemLog
 from dflash_queue.data.readers import ConversationRecord, read_conversations
 from dflash_queue.data.samples import Sample
@@ -140,14 +140,7 @@ def _sample(item: ConversationRecord, settings: AuditSettings, problems: Problem
 def _count(samples: list[Sample], settings: AuditSettings) -> list[int]:
     if settings.formatter is None or not samples:
         return []
-    counts = [0] * len(samples)
-    for thinking in (True, False):
-        picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
-        if picked:
-            texts = settings.formatter.render_batch([counted_messages(samples[i]) for i in picked], enable_thinking=thinking)
-            for index, tokens in zip(picked, settings.formatter.count_tokens(texts)):
-                counts[index] = tokens
-    return counts
+    return count_prompt_tokens(settings.formatter, samples)
 
 
 class _Responses:

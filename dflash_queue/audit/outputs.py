@@ -94,10 +94,13 @@ def _is_stub(row: SampleRow, min_answer_tokens: int) -> bool:
 
 
 def output_lines(name: str, summary: dict[str, Any]) -> Iterator[str]:
-    yield f"{name}: {summary['samples']} samples" + (
-        f" ({summary['dropped_by_gate']} more dropped by the quality gate)" if name == "training shards" and summary["dropped_by_gate"]
-        else f" ({summary['dropped_by_gate']} dropped by the quality gate)" if summary["dropped_by_gate"] else ""
-    )
+    dropped = summary["dropped_by_gate"]
+    if not dropped:
+        yield f"{name}: {summary['samples']} samples"
+    elif name == "training shards":  # dropped samples are not in the tensors, only in the metadata
+        yield f"{name}: {summary['samples']} samples ({dropped} more dropped by the quality gate)"
+    else:
+        yield f"{name}: {summary['samples']} samples ({dropped} of them dropped by the quality gate)"
     yield f"  tokens per sample: {brief(summary['tokens_per_sample'])}"
     yield f"  loss_mask sum per sample: {brief(summary['loss_mask_sum'])}"
     if summary["answer_tokens"].get("count"):

@@ -45,7 +45,6 @@ def audit(
 ) -> None:
     """Audit PATHS: dataset files (JSONL, JSON, gzip/zstd, Parquet), completions or training shards, a
     directory of them, or a storage root. Exits 1 when the stub share exceeds --max-stub-fraction."""
-    from dflash_queue.audit.inputs import AuditSettings
     from dflash_queue.audit.plot import write_plot
     from dflash_queue.audit.run import audit as run_audit
     from dflash_queue.audit.run import report_lines

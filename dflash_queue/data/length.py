@@ -42,33 +42,15 @@ class LengthFilter:
 
     def count(self, samples: list[Sample]) -> list[int]:
         """Templated prompt tokens of each sample (with its own thinking setting)."""
-        return self._tokenize(self._render(samples))
-
-    def _render(self, samples: list[Sample]) -> list[tuple[list[int], list[str]]]:
-        """(positions, templated texts) per thinking setting: the template takes it per call."""
-        groups = []
-        for thinking in (True, False):
-            picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
-            if picked:
-                texts = self.formatter.render_batch(
-                    [counted_messages(samples[i]) for i in picked], enable_thinking=thinking
-                )
-                groups.append((picked, texts))
-        return groups
-
-    def _tokenize(self, groups: list[tuple[list[int], list[str]]]) -> list[int]:
-        counts = [0] * sum(len(picked) for picked, _ in groups)
-        for picked, texts in groups:
-            for index, tokens in zip(picked, self.formatter.count_tokens(texts)):
-                counts[index] = tokens
-        return counts
+        return count_prompt_tokens(self.formatter, samples)
 
     def filter(self, samples: Iterable[Sample]) -> Iterator[Counted | BadRecord]:
         """Samples that fit, with their token counts, in order; a `BadRecord` for each one that does not."""
         in_flight: deque[tuple[list[Sample], Future[list[int]]]] = deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dfq-count") as pool:
             for batch in _batches(samples, self.batch):
-                in_flight.append((batch, pool.submit(self._tokenize, self._render(batch))))
+                rendered = _render(self.formatter, batch)
+                in_flight.append((batch, pool.submit(_tokenize, self.formatter, rendered)))
                 if len(in_flight) > 2:
                     yield from self._judge(*in_flight.popleft())
             while in_flight:
@@ -87,6 +69,30 @@ class LengthFilter:
                     f"for generation inside max_model_len {self.max_model_len}",
                     unit=unit,
                 )
+
+
+def count_prompt_tokens(formatter, samples: list[Sample]) -> list[int]:
+    """Templated prompt tokens of each sample, with its own thinking setting, in two batched calls."""
+    return _tokenize(formatter, _render(formatter, samples))
+
+
+def _render(formatter, samples: list[Sample]) -> list[tuple[list[int], list[str]]]:
+    """(positions, templated texts) per thinking setting: the template takes it per call."""
+    groups = []
+    for thinking in (True, False):
+        picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
+        if picked:
+            texts = formatter.render_batch([counted_messages(samples[i]) for i in picked], enable_thinking=thinking)
+            groups.append((picked, texts))
+    return groups
+
+
+def _tokenize(formatter, groups: list[tuple[list[int], list[str]]]) -> list[int]:
+    counts = [0] * sum(len(picked) for picked, _ in groups)
+    for picked, texts in groups:
+        for index, tokens in zip(picked, formatter.count_tokens(texts)):
+            counts[index] = tokens
+    return counts
 
 
 def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:

@@ -27,6 +27,10 @@ class ChatFormatter:
         self.tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._continuations = lru_cache(maxsize=4096)(self._continuation_text)
+        self._generation_prompts: dict[bool, tuple[int, ...]] = {}
+        self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
+            getattr(tokenizer, "added_tokens_decoder", None) or {}
+        )
 
     def render(self, messages: Sequence[Message], *, enable_thinking: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -79,9 +83,7 @@ class ChatFormatter:
         return self.encode(self._continuations(tuple(messages), enable_thinking, ended_with))
 
     def _generation_prompt(self, enable_thinking: bool) -> tuple[int, ...]:
-        cached = getattr(self, "_generation_prompts", None)
-        if cached is None:
-            cached = self._generation_prompts = {}
+        cached = self._generation_prompts
         if enable_thinking not in cached:
             conversation = [{"role": "user", "content": _SENTINEL_USER}]
             with_prompt = self.tokenizer.apply_chat_template(
@@ -94,15 +96,6 @@ class ChatFormatter:
                 raise ValueError("the chat template's generation prompt is not a suffix of the conversation")
             cached[enable_thinking] = tuple(self.encode(with_prompt[len(without) :]))
         return cached[enable_thinking]
-
-    @property
-    def _special_ids(self) -> frozenset[int]:
-        cached = getattr(self, "_special_id_set", None)
-        if cached is None:
-            cached = self._special_id_set = frozenset(self.tokenizer.all_special_ids) | frozenset(
-                getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-            )
-        return cached
 
     def _continuation_text(self, messages: tuple[Message, ...], enable_thinking: bool, ended_with: str) -> str:
         opening = [

@@ -8,7 +8,7 @@ the closing tag. Answer tokens are the content tokens after the thinking block c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 THINK_OPEN = "<think>"
@@ -23,7 +23,8 @@ class TokenMarkers:
     think_close: int | None
     # Special tokens (end of turn, padding): never content.
     special: frozenset[int]
-    decode: object = None  # callable(list[int]) -> str, for whitespace detection
+    # Token ids -> text, to tell whitespace-only tokens apart (cached per id).
+    decode: Callable[[list[int]], str] | None = None
     _blank: dict[int, bool] = field(default_factory=dict)
 
     @classmethod
