@@ -88,9 +88,21 @@ class ModelConfig(_Section):
 
 class DatasetConfig(_Section):
     shard_size: PositiveInt = 256
-    thinking: Literal["always", "never"] = "always"
-    # A JSONL line longer than this is reported and skipped rather than parsed.
+    # "auto": rules on the content decide per sample (code, math, reasoning -> on; chit-chat, classification,
+    # extraction -> off).
+    thinking: Literal["always", "never", "auto"] = "always"
+    # "last": regenerate the last assistant turn from the conversation before it (earlier ones stay as context);
+    # "all": regenerate every assistant turn in order, each conditioned on the regenerated history.
+    regenerate: Literal["last", "all"] = "last"
+    # A record (JSONL line, array element, Parquet row) larger than this is reported and skipped.
     max_record_bytes: PositiveInt = 4 * 1024 * 1024
+    # Skip prompts whose chat-templated token count leaves less than `generation_budget` tokens inside
+    # `max_model_len`; counted with the target's own tokenizer at staging time.
+    length_filter: bool = True
+    # 0: the model's max_position_embeddings (config.json).
+    max_model_len: Annotated[int, Field(ge=0)] = 0
+    # 0: generate.sampling.max_tokens.
+    generation_budget: Annotated[int, Field(ge=0)] = 0
 
 
 class SamplingConfig(_Section):
@@ -142,6 +154,38 @@ class FlowerConfig(_Section):
     purge_offline_workers_s: Annotated[int, Field(ge=0)] = 0
 
 
+GateAction = Literal["off", "flag", "drop", "retry"]
+
+
+class QualityConfig(_Section):
+    """The quality gate run on every generated turn before a shard is chained to extraction.
+
+    Each check has an action: "off" (not checked), "flag" (kept, flagged in the completion record and the
+    training shard metadata), "drop" (left out of the training shard, recorded in the completions shard with
+    the decision), "retry" (generated once more with `retry_max_tokens`; if it fails again,
+    `on_retry_failure` decides).
+    """
+
+    # Empty: no answer and no reasoning tokens at all.
+    on_empty: GateAction = "drop"
+    # Stub: fewer than `min_answer_tokens` answer tokens (tokens after the thinking block closes).
+    on_stub: GateAction = "flag"
+    min_answer_tokens: Annotated[int, Field(ge=1)] = 8
+    # Truncated: the engine stopped at the token budget (finish_reason "length").
+    on_truncated: GateAction = "flag"
+    # A thinking block that is opened and never closed: there is no answer.
+    on_unclosed_thinking: GateAction = "retry"
+    # A degenerate loop: the completion ends in `repetition_min_repeats` or more back-to-back copies of a unit
+    # of at most `repetition_max_period` tokens, spanning at least `repetition_min_tokens` tokens.
+    on_repetition: GateAction = "drop"
+    repetition_max_period: PositiveInt = 256
+    repetition_min_repeats: Annotated[int, Field(ge=2)] = 4
+    repetition_min_tokens: PositiveInt = 32
+    on_retry_failure: Literal["flag", "drop"] = "flag"
+    # Token budget of a retry; 0: twice generate.sampling.max_tokens.
+    retry_max_tokens: Annotated[int, Field(ge=0)] = 0
+
+
 class Config(_Section):
     run: RunConfig = RunConfig()
     broker: BrokerConfig = BrokerConfig()
@@ -150,6 +194,7 @@ class Config(_Section):
     dataset: DatasetConfig = DatasetConfig()
     generate: GenerateConfig = GenerateConfig()
     extract: ExtractConfig = ExtractConfig()
+    quality: QualityConfig = QualityConfig()
     flower: FlowerConfig = FlowerConfig()
 
     # Where the config came from; not a TOML key.
@@ -166,6 +211,7 @@ class Config(_Section):
             "model": {"name": self.model.display_name, "config": _model_config_digest(self.model.path)},
             "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes"}),
             "sampling": self.generate.sampling.model_dump(mode="json"),
+            "quality": self.quality.model_dump(mode="json"),
             "extract": {
                 "layer_ids": list(self.extract.layer_ids),
                 "num_draft_layers": self.extract.num_draft_layers,
@@ -174,6 +220,20 @@ class Config(_Section):
         }
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def retry_max_tokens(self) -> int:
+        return self.quality.retry_max_tokens or 2 * self.generate.sampling.max_tokens
+
+    @property
+    def generation_budget(self) -> int:
+        return self.dataset.generation_budget or self.generate.sampling.max_tokens
+
+    def max_model_len(self) -> int:
+        """The context length prompts must fit in: dataset.max_model_len, else the model's own."""
+        if self.dataset.max_model_len:
+            return self.dataset.max_model_len
+        return _model_max_positions(self.model.path)
 
     def with_overrides(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys replaced, validated like a loaded file."""
@@ -188,6 +248,21 @@ def _model_config_digest(model_path: str) -> str:
     if not config_file.is_file():
         return "missing"
     return hashlib.sha256(config_file.read_bytes()).hexdigest()[:16]
+
+
+def _model_max_positions(model_path: str) -> int:
+    config_file = Path(model_path) / "config.json"
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"{config_file}: cannot read max_position_embeddings ({exc}); set dataset.max_model_len"
+        ) from None
+    text_config = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    value = text_config.get("max_position_embeddings") or data.get("max_position_embeddings")
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{config_file}: no max_position_embeddings; set dataset.max_model_len")
+    return value
 
 
 def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> Config:
@@ -233,9 +308,28 @@ def _validate(raw: dict[str, Any], source: str, *, check_paths: bool) -> Config:
         config = Config.model_validate({**raw, "source": source})
     except ValidationError as exc:
         raise ConfigError(_describe(exc, source)) from None
+    _check_cross_section(config)
     if check_paths:
         _check_model_paths(config)
     return config
+
+
+def _check_cross_section(config: Config) -> None:
+    """Rules that tie keys of different sections together; named like per-key errors."""
+    problems = []
+    max_tokens = config.generate.sampling.max_tokens
+    if config.quality.retry_max_tokens and config.quality.retry_max_tokens <= max_tokens:
+        problems.append(
+            f"  quality.retry_max_tokens: must exceed generate.sampling.max_tokens ({max_tokens}), "
+            f"got {config.quality.retry_max_tokens}"
+        )
+    if config.dataset.max_model_len and config.generation_budget >= config.dataset.max_model_len:
+        problems.append(
+            f"  dataset.max_model_len: {config.dataset.max_model_len} leaves no room for a prompt next to the "
+            f"generation budget of {config.generation_budget} tokens"
+        )
+    if problems:
+        raise ConfigError("\n".join([f"{config.source}: invalid configuration", *problems]))
 
 
 def _describe(exc: ValidationError, source: str) -> str:

@@ -64,6 +64,21 @@ class Ledger:
             pipe.hset(self.sizes_key, shard_id, num_samples)
         pipe.execute()
 
+    def mark_queued(self, sizes: Mapping[str, int]) -> None:
+        """Mark many shards queued (with their sample counts) in one round trip."""
+        if not sizes:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hset(self.states_key, mapping={shard_id: QUEUED for shard_id in sizes})
+        pipe.hset(self.sizes_key, mapping=dict(sizes))
+        pipe.execute()
+
+    def forget(self, shard_ids: Iterable[str]) -> None:
+        """Remove shards' states (a message that was never sent)."""
+        ids = list(shard_ids)
+        if ids:
+            self.client.hdel(self.states_key, *ids)
+
     def mark_failed(self, shard_id: str, error: str) -> None:
         pipe = self.client.pipeline()
         pipe.hset(self.states_key, shard_id, FAILED)

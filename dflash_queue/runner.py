@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import EnqueueReport, Producer
+from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.launcher import WorkerProcess
@@ -38,14 +39,17 @@ class RunSummary:
 
     def lines(self) -> list[str]:
         c = self.counters
+        gate = gate_summary(c)
         lines = [
             f"samples:           {self.report.samples} read, {self.report.duplicates} duplicates, "
-            f"{self.report.problems.total} bad records skipped",
+            f"{self.report.problems.total} bad records skipped, {self.report.too_long.total} too long skipped",
             f"shards:            {self.shards_done} done, {len(self.shards_failed)} failed, "
             f"{self.report.skipped_done} were already done",
             f"tokens generated:  {c.get('generate_completion_tokens', 0)} "
             f"(prompts {c.get('generate_prompt_tokens', 0)}; "
             f"stopped {c.get('finish_stop', 0)}, truncated {c.get('finish_length', 0)})",
+            f"quality gate:      {gate[0]}",
+            *(f"                   {line}" for line in gate[1:]),
             f"tokens extracted:  {c.get('extract_tokens', 0)} ({c.get('extract_bytes', 0) / 1e6:.1f} MB)",
             f"elapsed:           {self.elapsed_s:.1f} s",
             f"training shards:   {self.output}",
@@ -53,6 +57,9 @@ class RunSummary:
         if self.report.problems.total:
             lines.append("bad records:")
             lines.extend("  " + line for line in self.report.problems.lines())
+        if self.report.too_long.total:
+            lines.append("skipped as too long:")
+            lines.extend("  " + line for line in self.report.too_long.lines())
         for shard_id, error in self.shards_failed.items():
             lines.append(f"failed shard {shard_id}: {error}")
         return lines

@@ -52,7 +52,14 @@ def test_config_objects_are_frozen(tmp_path, model_dir):
         ({"generate.sampling": {"temperature": -1.0}}, "generate.sampling.temperature", "greater than or equal"),
         ({"broker": {"visibility_timeout_s": 60, "task_timeout_s": 120}}, "broker", "must exceed task_timeout_s"),
         ({"extract": {"layer_ids": [1, 1]}}, "extract", "distinct"),
-        ({"dataset": {"thinking": "sometimes"}}, "dataset.thinking", "'always' or 'never'"),
+        ({"dataset": {"thinking": "sometimes"}}, "dataset.thinking", "'always', 'never' or 'auto'"),
+        ({"dataset": {"regenerate": "first"}}, "dataset.regenerate", "'last' or 'all'"),
+        ({"quality": {"on_stub": "ignore"}}, "quality.on_stub", "'off', 'flag', 'drop' or 'retry'"),
+        ({"quality": {"min_answer_tokens": 0}}, "quality.min_answer_tokens", "greater than or equal to 1"),
+        ({"quality": {"retry_max_tokens": 100}, "generate.sampling": {"max_tokens": 200}}, "quality.retry_max_tokens",
+         "must exceed generate.sampling.max_tokens (200)"),
+        ({"dataset": {"max_model_len": 1024}, "generate.sampling": {"max_tokens": 2048}}, "dataset.max_model_len",
+         "leaves no room for a prompt"),
     ],
 )
 def test_bad_values_name_file_and_key(tmp_path, model_dir, tables, key, words):
@@ -126,3 +133,15 @@ def test_flower_section_is_validated_and_its_db_resolved(tmp_path, model_dir):
     for tables, key in (({"flower": {"port": 70000}}, "flower.port"), ({"flower": {"auth": "a:b"}}, "flower.auth")):
         with pytest.raises(ConfigError, match=rf"  {key}: "):
             load_config(write(tmp_path, {**base(model_dir), **tables}), env={})
+
+
+def test_max_model_len_comes_from_the_model_unless_set(tmp_path, model_dir):
+    config = load_config(write(tmp_path, base(model_dir)), env={})
+    with pytest.raises(ConfigError, match="no max_position_embeddings; set dataset.max_model_len"):
+        config.max_model_len()
+    (model_dir / "config.json").write_text('{"num_hidden_layers": 4, "max_position_embeddings": 32768}')
+    assert config.max_model_len() == 32768
+    assert config.generation_budget == config.generate.sampling.max_tokens
+    assert config.retry_max_tokens == 2 * config.generate.sampling.max_tokens
+    explicit = load_config(write(tmp_path, {**base(model_dir), "dataset": {"max_model_len": 8192}}), env={})
+    assert explicit.max_model_len() == 8192

@@ -112,6 +112,7 @@ def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
     summary = result.stdout
     assert "samples:           20 read, 0 duplicates, 1 bad records skipped" in summary
     assert "shards:            3 done, 0 failed" in summary
+    assert "quality gate:      " in summary and " kept, " in summary
     assert f"{dataset}:21 [conversations[0].from]: unknown role: 'alien'" in summary
     shards = sorted((out / "shards").glob("*.safetensors"))
     assert len(shards) == 3

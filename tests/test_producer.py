@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import redis
 
 from dflash_queue.ledger import DONE, QUEUED, Ledger
@@ -75,3 +76,52 @@ def test_bad_records_and_duplicates_are_counted_and_the_rest_enqueued(make_confi
     text = "\n".join(report.lines())
     assert f"{dataset}:6: malformed JSON" in text
     assert f"{dataset}:8 [conversations]: empty conversation" in text
+
+
+def test_length_filter_skips_prompts_that_leave_no_room_and_counts_them(make_config, redis_url, tmp_path):
+    long_prompt = json.dumps({"conversations": [{"from": "human", "value": "tell me more " * 300}]})
+    dataset = tmp_path / "lengths.jsonl"
+    dataset.write_text("\n".join([*SAMPLE.read_text().splitlines()[:6], long_prompt]) + "\n")
+    config = make_config(dataset={"shard_size": 8, "max_model_len": 600, "generation_budget": 200})
+    configure_app(config)
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    report = Producer(config, ledger).enqueue([dataset])
+    assert report.samples == 7 and report.staged == 6 and report.too_long.total == 1
+    text = "\n".join(report.lines())
+    assert f"{dataset}:7: prompt too long:" in text and "< 200 for generation inside max_model_len 600" in text
+    assert ledger.counters()["skipped_too_long"] == 1 and ledger.counters()["enqueued_samples"] == 6
+    assert 0 < report.max_prompt_tokens <= 400 and report.prompt_tokens >= report.max_prompt_tokens
+    staged = decode_prompts(open_storage(config.storage.url).read_bytes(prompts_key(report.shard_ids[0])), what="p")
+    assert len(staged) == 6
+
+
+def test_a_failed_send_leaves_no_queued_state_behind(make_config, redis_url):
+    config = make_config()
+    configure_app(config)
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    sent: list[str] = []
+
+    def flaky_send(shard_id: str, num_samples: int, fingerprint: str) -> None:
+        if len(sent) == 3:
+            raise ConnectionError("broker went away")
+        sent.append(shard_id)
+
+    with pytest.raises(ConnectionError):
+        Producer(config, ledger, length_filter=False).enqueue([SAMPLE], send=flaky_send)
+    states = ledger.states()
+    assert set(states) == set(sent) and set(states.values()) == {QUEUED}
+    # The rerun sends exactly the shards whose messages never went out.
+    again: list[str] = []
+    report = Producer(config, ledger, length_filter=False).enqueue([SAMPLE], send=lambda s, n, f: again.append(s))
+    assert report.skipped_queued == 3 and set(again) == set(report.shard_ids) - set(sent)
+
+
+def test_auto_thinking_and_all_turns_reach_the_staged_shards(make_config, redis_url):
+    config = make_config(dataset={"shard_size": 64, "thinking": "auto", "regenerate": "all"})
+    configure_app(config)
+    report = Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([SAMPLE])
+    [shard_id] = report.shard_ids
+    staged = decode_prompts(open_storage(config.storage.url).read_bytes(prompts_key(shard_id)), what=shard_id)
+    assert 0 < report.thinking_on == sum(s.thinking for s in staged) < len(staged)
+    assert all(s.regenerate == "all" and s.messages[-1].is_slot for s in staged)
+    assert sum(s.num_turns for s in staged) > len(staged)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_queue import __version__
-from dflash_queue.cli import monitor, ops, pipeline, plan
+from dflash_queue.cli import audit, monitor, ops, pipeline, plan
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -14,7 +14,6 @@ def main() -> None:
     """Regenerate a prompt dataset with the target model and extract its hidden states for drafter training."""
 
 
-for command in pipeline.COMMANDS:
-    main.add_command(command)
-for command in [*ops.COMMANDS, *monitor.COMMANDS, *plan.COMMANDS]:
-    main.add_command(command)
+for module in (pipeline, audit, ops, monitor, plan):
+    for command in module.COMMANDS:
+        main.add_command(command)

@@ -12,9 +12,11 @@ class BadRecord:
     line: int
     reason: str
     key: str = ""
+    # "line": 1-based line of a line-oriented file; "row": 0-based index in a JSON array or Parquet file.
+    unit: str = "line"
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}"
+        where = f"{self.file}:{self.line}" if self.unit == "line" else f"{self.file} row {self.line}"
         if self.key:
             where += f" [{self.key}]"
         return f"{where}: {self.reason}"

@@ -1,4 +1,4 @@
-"""The unit of work: one conversation prefix to regenerate a reply for."""
+"""The unit of work: one conversation to regenerate assistant replies for."""
 
 from __future__ import annotations
 
@@ -9,47 +9,104 @@ from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+# "last": regenerate one reply after the prompt; "all": regenerate every assistant turn in order.
+Regenerate = Literal["last", "all"]
 
 
 @dataclass(frozen=True)
 class Message:
     role: Role
     content: str
+    # An assistant turn's reasoning (OpenAI `reasoning_content`); chat templates decide whether to show it.
+    reasoning: str | None = None
+    # An assistant turn's tool calls as canonical JSON text (hashable); rendered by the chat template.
+    tool_calls: str | None = None
 
-    def to_json(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning is not None:
+            out["reasoning_content"] = self.reasoning
+        if self.tool_calls is not None:
+            out["tool_calls"] = json.loads(self.tool_calls)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Message:
+        tool_calls = data.get("tool_calls")
+        return cls(
+            role=data["role"],
+            content=data["content"],
+            reasoning=data.get("reasoning_content"),
+            tool_calls=canonical_json(tool_calls) if tool_calls is not None else None,
+        )
+
+    @property
+    def is_slot(self) -> bool:
+        """An assistant turn to be regenerated (in "all" mode), standing in for the dataset's reply."""
+        return self.role == "assistant" and not self.content and self.reasoning is None and self.tool_calls is None
+
+
+SLOT = Message("assistant", "")
 
 
 @dataclass(frozen=True)
 class Sample:
-    """A prompt (the conversation up to the turn to regenerate) and where it came from."""
+    """What one generation job works on.
+
+    regenerate="last": `messages` is the prompt (ending on a user or tool turn); one reply is generated.
+    regenerate="all": `messages` is the whole conversation with every assistant turn replaced by a slot
+    (`SLOT`), the last message always a slot; slots are filled in order, each conditioned on the filled ones.
+    """
 
     id: str
     messages: tuple[Message, ...]
     source: str
     thinking: bool = True
+    regenerate: Regenerate = "last"
     # The dataset's own reply that the target model regenerates; kept for audits only.
     reference: str | None = field(default=None, compare=False)
 
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns this sample generates."""
+        if self.regenerate == "last":
+            return 1
+        return sum(1 for m in self.messages if m.is_slot)
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "messages": [m.to_json() for m in self.messages],
             "thinking": self.thinking,
             "source": self.source,
         }
+        if self.regenerate != "last":
+            out["regenerate"] = self.regenerate
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Sample:
         return cls(
             id=data["id"],
-            messages=tuple(Message(m["role"], m["content"]) for m in data["messages"]),
+            messages=tuple(Message.from_json(m) for m in data["messages"]),
             source=data.get("source", ""),
             thinking=bool(data.get("thinking", True)),
+            regenerate=data.get("regenerate", "last"),
         )
 
 
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
+
+
 def sample_id(messages: tuple[Message, ...]) -> str:
-    """A stable id from the normalised prompt: the same conversation prefix always gets the same id."""
-    canonical = json.dumps([[m.role, m.content] for m in messages], ensure_ascii=False, separators=(",", ":"))
+    """A stable id from the normalised conversation: the same messages always get the same id."""
+    rows: list[list[str]] = []
+    for m in messages:
+        row = [m.role, m.content]
+        # Optional parts only when present, so plain conversations keep the ids they always had.
+        if m.reasoning is not None or m.tool_calls is not None:
+            row += [m.reasoning or "", m.tool_calls or ""]
+        rows.append(row)
+    canonical = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]

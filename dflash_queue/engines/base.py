@@ -13,6 +13,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     # Per-request budget; None means the configured sampling.max_tokens.
     max_tokens: int | None = None
+    # 0 on a first try; a retry (quality gate) has attempt 1 and must be sampled afresh, not replayed: engines
+    # that seed per request mix the attempt into the seed.
+    attempt: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,23 @@
-"""Prompt token ids from a conversation, through the target tokenizer's own chat template."""
+"""Prompt token ids from a conversation, through the target tokenizer's own chat template.
+
+Besides whole prompts, the formatter knows two pieces of template output that token-level work needs:
+  * the generation prompt (`<|im_start|>assistant\\n`, plus an empty think block when thinking is off), which
+    opens the assistant turn being generated and so belongs to it when a turn is judged;
+  * the continuation after a generated turn: the end-of-turn text (when the engine stopped without writing
+    it), the next user/tool turns and the next generation prompt. Appending it to the exact generated ids
+    conditions the next turn on exactly those ids, never on a re-tokenised copy.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 from dflash_queue.data.samples import Message
+
+# Text that cannot occur in a conversation, used to find what a template writes around a turn.
+_SENTINEL_USER = "\u2063dfq-user\u2063"
+_SENTINEL_REPLY = "\u2063dfq-reply\u2063"
 
 
 class ChatFormatter:
@@ -12,6 +25,12 @@ class ChatFormatter:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template")
         self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._continuations = lru_cache(maxsize=4096)(self._continuation_text)
+        self._generation_prompts: dict[bool, tuple[int, ...]] = {}
+        self._special_ids = frozenset(tokenizer.all_special_ids) | frozenset(
+            getattr(tokenizer, "added_tokens_decoder", None) or {}
+        )
 
     def render(self, messages: Sequence[Message], *, enable_thinking: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -21,7 +40,78 @@ class ChatFormatter:
             enable_thinking=enable_thinking,
         )
 
-    def prompt_ids(self, messages: Sequence[Message], *, enable_thinking: bool) -> list[int]:
-        text = self.render(messages, enable_thinking=enable_thinking)
+    def render_batch(self, conversations: Sequence[Sequence[Message]], *, enable_thinking: bool) -> list[str]:
+        """Like `render` for many conversations in one call (the template is compiled once)."""
+        if not conversations:
+            return []
+        return self.tokenizer.apply_chat_template(
+            [[m.to_json() for m in messages] for messages in conversations],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )
+
+    def encode(self, text: str) -> list[int]:
         # The template already wrote every special token; adding BOS/EOS again would change the prompt.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Token counts of many texts in one call to the fast tokenizer (no offsets, no Python objects)."""
+        if not texts:
+            return []
+        backend = self._backend
+        if backend is not None:
+            encode = getattr(backend, "encode_batch_fast", None) or backend.encode_batch
+            return [len(encoding) for encoding in encode(list(texts), add_special_tokens=False)]
+        return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+    def prompt_ids(self, messages: Sequence[Message], *, enable_thinking: bool) -> list[int]:
+        return self.encode(self.render(messages, enable_thinking=enable_thinking))
+
+    def generation_prompt_ids(self, *, enable_thinking: bool) -> list[int]:
+        """The ids that open a generated assistant turn (the tail the template adds for generation)."""
+        return list(self._generation_prompt(enable_thinking))
+
+    def continuation_ids(
+        self, messages: Sequence[Message], *, enable_thinking: bool, last_token: int | None
+    ) -> list[int]:
+        """Ids that follow a generated assistant turn whose final token is `last_token`: the end of that turn
+        (unless the engine already wrote it), `messages` (user/tool turns), then the next generation prompt."""
+        ended_with = ""
+        if last_token is not None and last_token in self._special_ids:
+            ended_with = self.tokenizer.decode([last_token])
+        return self.encode(self._continuations(tuple(messages), enable_thinking, ended_with))
+
+    def _generation_prompt(self, enable_thinking: bool) -> tuple[int, ...]:
+        cached = self._generation_prompts
+        if enable_thinking not in cached:
+            conversation = [{"role": "user", "content": _SENTINEL_USER}]
+            with_prompt = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, enable_thinking=enable_thinking
+            )
+            without = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=False, enable_thinking=enable_thinking
+            )
+            if not with_prompt.startswith(without):
+                raise ValueError("the chat template's generation prompt is not a suffix of the conversation")
+            cached[enable_thinking] = tuple(self.encode(with_prompt[len(without) :]))
+        return cached[enable_thinking]
+
+    def _continuation_text(self, messages: tuple[Message, ...], enable_thinking: bool, ended_with: str) -> str:
+        opening = [
+            {"role": "user", "content": _SENTINEL_USER},
+            {"role": "assistant", "content": _SENTINEL_REPLY},
+        ]
+        rendered = self.tokenizer.apply_chat_template(
+            opening + [m.to_json() for m in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=enable_thinking,
+        )
+        position = rendered.find(_SENTINEL_REPLY)
+        if position < 0:
+            raise ValueError("the chat template dropped an assistant turn; cannot continue a conversation")
+        after = rendered[position + len(_SENTINEL_REPLY) :]
+        if ended_with and after.startswith(ended_with):
+            after = after[len(ended_with) :]
+        return after

@@ -121,4 +121,6 @@ def _batch_seed(seed: int, batch: Sequence[GenerationRequest]) -> int:
     digest = hashlib.sha256(str(seed).encode())
     for request in batch:
         digest.update(request.sample_id.encode())
+        if request.attempt:
+            digest.update(f"#{request.attempt}".encode())
     return int.from_bytes(digest.digest()[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF

@@ -69,27 +69,26 @@ class ExtractLane:
 
         in_key = completions_key(shard_id)
         records = decode_completions(self.storage.read_bytes(in_key), what=in_key)
-        requests = [ExtractionRequest(r.id, r.prompt_ids + r.completion_ids) for r in records]
-        states = self.extractor.extract(requests)
+        # Samples the quality gate dropped are accounted for in the shard's metadata, never extracted.
+        kept = [r for r in records if r.kept]
+        dropped = [(r.id, r.quality) for r in records if not r.kept]
+        requests = [ExtractionRequest(r.id, r.input_ids) for r in kept]
+        states = self.extractor.extract(requests) if requests else []
         samples = [
             ExtractedSample(
                 id=record.id,
                 input_ids=torch.tensor(request.input_ids, dtype=torch.int32),
-                loss_mask=torch.cat(
-                    [
-                        torch.zeros(len(record.prompt_ids), dtype=torch.uint8),
-                        torch.ones(len(record.completion_ids), dtype=torch.uint8),
-                    ]
-                ),
+                loss_mask=torch.tensor(record.loss_mask(), dtype=torch.uint8),
                 hidden_states=hidden,
                 finish_reason=record.finish_reason,
                 thinking=record.thinking,
+                quality=record.quality,
             )
-            for record, request, hidden in zip(records, requests, states, strict=True)
+            for record, request, hidden in zip(kept, requests, states, strict=True)
         ]
         with tempfile.TemporaryDirectory(prefix="dfq-shard-") as tmp:
             path = Path(tmp) / "shard.safetensors"
-            write_training_shard(path, samples, self.info)
+            write_training_shard(path, samples, self.info, dropped=dropped)  # type: ignore[arg-type]
             size = path.stat().st_size
             self.storage.write_file(out_key, path)
         return ExtractSummary(shard_id, len(samples), sum(len(r.input_ids) for r in requests), size)

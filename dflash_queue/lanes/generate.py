@@ -1,4 +1,5 @@
-"""Generate lane: prompts shard in, completions shard out, with the exact token ids generated."""
+"""Generate lane: prompts shard in, completions shard out, with the exact token ids generated and the quality
+gate's verdict on every sample (dropped ones included, so that each staged sample is accounted for)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer
 
 from dflash_queue.config import Config
-from dflash_queue.engines.base import GenerateEngine, GenerationRequest
+from dflash_queue.engines.base import GenerateEngine
 from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.lanes.turns import TurnGenerator
+from dflash_queue.quality.checks import TokenMarkers
+from dflash_queue.quality.gate import GateCounts, QualityGate
 from dflash_queue.shards.completions import CompletionRecord, decode_completions, encode_completions
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
@@ -24,6 +28,9 @@ class GenerateSummary:
     completion_tokens: int
     finish_reasons: dict[str, int] = field(default_factory=dict)
     skipped: bool = False
+    # Samples the quality gate kept (flagged ones included); the rest are dropped.
+    kept: int = 0
+    gate: dict[str, int] = field(default_factory=dict)
 
     def counters(self) -> dict[str, int]:
         counts = {
@@ -33,17 +40,25 @@ class GenerateSummary:
             "generate_shards": 1,
         }
         counts.update({f"finish_{reason}": n for reason, n in self.finish_reasons.items()})
+        counts.update(self.gate)
         return counts
 
 
 def summarize(shard_id: str, records: list[CompletionRecord], *, skipped: bool) -> GenerateSummary:
+    gate = GateCounts()
+    for record in records:
+        if record.quality is not None:
+            gate.add(record.quality)
+    generated = sum(r.generated_tokens for r in records)
     return GenerateSummary(
         shard_id=shard_id,
         num_samples=len(records),
-        prompt_tokens=sum(len(r.prompt_ids) for r in records),
-        completion_tokens=sum(len(r.completion_ids) for r in records),
+        prompt_tokens=sum(r.num_tokens for r in records) - generated,
+        completion_tokens=generated,
         finish_reasons=dict(Counter(r.finish_reason for r in records)),
         skipped=skipped,
+        kept=sum(1 for r in records if r.kept),
+        gate=gate.as_dict(),
     )
 
 
@@ -52,7 +67,16 @@ class GenerateLane:
         self.config = config
         self.engine = engine
         self.storage = storage or open_storage(config.storage.url)
-        self.formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
+        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.formatter = ChatFormatter(tokenizer)
+        self.turns = TurnGenerator(
+            engine,
+            self.formatter,
+            QualityGate(config.quality, TokenMarkers.from_tokenizer(tokenizer)),
+            max_tokens=config.generate.sampling.max_tokens,
+            retry_max_tokens=config.retry_max_tokens,
+            max_model_len=config.max_model_len(),
+        )
 
     def run(self, shard_id: str) -> GenerateSummary:
         out_key = completions_key(shard_id)
@@ -62,23 +86,7 @@ class GenerateLane:
 
         in_key = prompts_key(shard_id)
         samples = decode_prompts(self.storage.read_bytes(in_key), what=in_key)
-        requests = [
-            GenerationRequest(s.id, self.formatter.prompt_ids(s.messages, enable_thinking=s.thinking))
-            for s in samples
-        ]
-        generations = self.engine.generate(requests)
-        records = [
-            CompletionRecord(
-                id=sample.id,
-                prompt_ids=generation.prompt_ids,
-                completion_ids=generation.completion_ids,
-                finish_reason=generation.finish_reason,
-                thinking=sample.thinking,
-                text=generation.text,
-                source=sample.source,
-            )
-            for sample, generation in zip(samples, generations, strict=True)
-        ]
+        records = self.turns.run(samples)
         self.storage.write_bytes(out_key, encode_completions(records))
         return summarize(shard_id, records, skipped=False)
 

@@ -38,7 +38,8 @@ LANE_COUNTERS = {
 # Shard states at which a lane's work on the shard is over.
 LANE_DONE_STATES = {"generate": {GENERATED, DONE}, "extract": {DONE}}
 LANE_PENDING_STATES = {"generate": {QUEUED}, "extract": {QUEUED, GENERATED}}
-QUALITY_PREFIX = "quality_"
+# The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.
+QUALITY_PREFIX = "gate_"
 DEFAULT_WINDOW_S = 600
 
 # (redis client, run name, ledger counters) -> dead letters per lane.
@@ -204,7 +205,7 @@ def collect_status(
         )
         if lane == "generate":
             status.quality = {k: v for k, v in sorted(counters.items()) if k.startswith(QUALITY_PREFIX)}
-            status.quality_dropped = sum(v for k, v in status.quality.items() if "drop" in k)
+            status.quality_dropped = counters.get("gate_drop", 0)
         # Shards, not samples, measure what is left: the quality gate may shrink a shard on its way.
         shard_rate = window.rate(f"{lane}_shards")
         if not states:

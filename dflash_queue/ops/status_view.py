@@ -83,5 +83,5 @@ def _throughput(s: LaneStatus) -> str:
 def _quality(s: LaneStatus) -> str:
     if not s.quality:
         return "—"
-    details = ", ".join(f"{k.removeprefix('quality_')} {v:,}" for k, v in s.quality.items())
+    details = ", ".join(f"{k.removeprefix('gate_')} {v:,}" for k, v in s.quality.items())
     return f"{s.quality_dropped:,} dropped ({details})"

@@ -10,6 +10,7 @@ from celery.utils.log import get_task_logger
 
 from dflash_queue import ledger as states
 from dflash_queue.errors import FingerprintMismatch
+from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
 from dflash_queue.queue.busy import BusyClock
@@ -47,12 +48,13 @@ def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
     if not summary.skipped:
         rt.ledger.add({**summary.counters(), "generate_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.GENERATED)
-    extract_shard.apply_async(args=(shard_id, summary.num_samples, fingerprint), queue=EXTRACT_QUEUE)
+    extract_shard.apply_async(args=(shard_id, summary.kept, fingerprint), queue=EXTRACT_QUEUE)
     log.info(
-        "generated shard %s: %d samples, %d completion tokens%s",
+        "generated shard %s: %d samples, %d completion tokens; quality gate: %s%s",
         shard_id,
         summary.num_samples,
         summary.completion_tokens,
+        "; ".join(gate_summary(summary.gate)),
         " (already stored)" if summary.skipped else "",
     )
 

@@ -1,4 +1,10 @@
-"""A generated reply with the exact token ids the engine produced."""
+"""Generated replies with the exact token ids the engine produced, and the quality gate's verdict.
+
+One record per sample, dropped ones included (their verdict says so), so that every staged sample is
+accounted for. The sequence to train on is `input_ids` = prompt_ids + completion_ids; `loss_mask()` is 1 on
+every generated token: the completion, and, when every assistant turn was regenerated, the earlier generated
+turns inside prompt_ids (`earlier_turns`).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_queue.errors import ShardFormatError
+from dflash_queue.quality.gate import Verdict
 from dflash_queue.shards.jsonl import dump_jsonl, load_jsonl
+
+
+@dataclass(frozen=True)
+class TurnSpan:
+    """An earlier generated turn: prompt_ids[start:end] are generated ids."""
+
+    start: int
+    end: int
+    finish_reason: str
+
+    def to_json(self) -> list[Any]:
+        return [self.start, self.end, self.finish_reason]
+
+    @classmethod
+    def from_json(cls, row: list[Any]) -> TurnSpan:
+        start, end, finish_reason = row
+        return cls(int(start), int(end), str(finish_reason))
 
 
 @dataclass(frozen=True)
@@ -18,13 +42,34 @@ class CompletionRecord:
     thinking: bool
     text: str
     source: str = ""
+    earlier_turns: tuple[TurnSpan, ...] = ()
+    quality: Verdict | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.completion_ids)
 
+    @property
+    def input_ids(self) -> list[int]:
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def kept(self) -> bool:
+        """False when the quality gate dropped the sample: it is recorded here but never extracted."""
+        return self.quality is None or self.quality.kept
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.completion_ids) + sum(t.end - t.start for t in self.earlier_turns)
+
+    def loss_mask(self) -> list[int]:
+        mask = [0] * len(self.prompt_ids) + [1] * len(self.completion_ids)
+        for turn in self.earlier_turns:
+            mask[turn.start : turn.end] = [1] * (turn.end - turn.start)
+        return mask
+
     def to_json(self) -> dict[str, Any]:
-        return {
+        row: dict[str, Any] = {
             "id": self.id,
             "prompt_ids": self.prompt_ids,
             "completion_ids": self.completion_ids,
@@ -33,11 +78,16 @@ class CompletionRecord:
             "text": self.text,
             "source": self.source,
         }
+        if self.earlier_turns:
+            row["turns"] = [t.to_json() for t in self.earlier_turns]
+        if self.quality is not None:
+            row["quality"] = self.quality.to_json()
+        return row
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> CompletionRecord:
         try:
-            return cls(
+            record = cls(
                 id=row["id"],
                 prompt_ids=[int(t) for t in row["prompt_ids"]],
                 completion_ids=[int(t) for t in row["completion_ids"]],
@@ -45,9 +95,15 @@ class CompletionRecord:
                 thinking=bool(row["thinking"]),
                 text=row.get("text", ""),
                 source=row.get("source", ""),
+                earlier_turns=tuple(TurnSpan.from_json(t) for t in row.get("turns", ())),
+                quality=Verdict.from_json(row["quality"]) if row.get("quality") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ShardFormatError(f"completion record {row.get('id', '?')}: {exc!r}") from None
+        for turn in record.earlier_turns:
+            if not 0 <= turn.start <= turn.end <= len(record.prompt_ids):
+                raise ShardFormatError(f"completion record {record.id}: turn span {turn} outside the prompt")
+        return record
 
 
 def encode_completions(records: list[CompletionRecord]) -> bytes:

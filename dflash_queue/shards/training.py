@@ -2,12 +2,15 @@
 
 Tensors:
   input_ids      int32  [T]         prompt ids followed by completion ids, per sample
-  loss_mask      uint8  [T]         1 exactly on completion tokens
+  loss_mask      uint8  [T]         1 exactly on generated tokens (every regenerated turn)
   hidden_states  dtype  [T, K, H]   output of decoder layer `layer_ids[k]` at each token
   offsets        int64  [N + 1]     sample i spans tokens offsets[i]:offsets[i + 1]
 
 Metadata (all strings, JSON where structured) says what the tensors mean: target model, layer ids and their
-convention, dtype, sample ids, finish reasons, versions.
+convention, dtype, sample ids, finish reasons, versions, and the quality gate's word per sample (`quality`:
+flags, answer tokens, thinking state, so that training can filter flagged samples) and on the samples it
+dropped (`dropped`: id and failed checks; they are not in the tensors). A shard whose samples were all dropped
+holds no tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_queue.errors import ShardFormatError
+from dflash_queue.quality.gate import Verdict
 
 FORMAT = "dflash-queue/hidden-states"
 FORMAT_VERSION = "1"
@@ -41,6 +45,7 @@ class ExtractedSample:
     hidden_states: torch.Tensor  # [T, K, H]
     finish_reason: str
     thinking: bool
+    quality: Verdict | None = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,21 @@ class NonFiniteHiddenStates(ShardFormatError):
         self.sample_id = sample_id
 
 
-def write_training_shard(path: Path, samples: Sequence[ExtractedSample], info: ShardInfo) -> None:
-    if not samples:
+def quality_entry(verdict: Verdict | None) -> dict[str, Any]:
+    verdict = verdict or Verdict()
+    return {"flags": list(verdict.flags), "answer_tokens": verdict.answer_tokens, "thinking": verdict.thinking}
+
+
+def write_training_shard(
+    path: Path,
+    samples: Sequence[ExtractedSample],
+    info: ShardInfo,
+    *,
+    dropped: Sequence[tuple[str, Verdict]] = (),
+) -> None:
+    """Write one shard. `dropped`: (id, verdict) of samples the quality gate left out; a shard may be empty
+    only when every one of its samples was dropped."""
+    if not samples and not dropped:
         raise ShardFormatError("refusing to write an empty shard")
     for sample in samples:
         validate_sample(sample, info)
@@ -98,16 +116,22 @@ def write_training_shard(path: Path, samples: Sequence[ExtractedSample], info: S
     lengths = [s.input_ids.shape[0] for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    width = (len(info.layer_ids), info.hidden_size)
     tensors = {
-        "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples]),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
-        "hidden_states": torch.cat([s.hidden_states.to(dtype) for s in samples]).contiguous(),
+        "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples])
+        if samples else torch.zeros(0, dtype=torch.int32),
+        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples])
+        if samples else torch.zeros(0, dtype=torch.uint8),
+        "hidden_states": torch.cat([s.hidden_states.to(dtype) for s in samples]).contiguous()
+        if samples else torch.zeros((0, *width), dtype=dtype),
         "offsets": offsets,
     }
     metadata = info.to_metadata()
     metadata["sample_ids"] = json.dumps([s.id for s in samples])
     metadata["finish_reasons"] = json.dumps([s.finish_reason for s in samples])
     metadata["thinking"] = json.dumps([s.thinking for s in samples])
+    metadata["quality"] = json.dumps([quality_entry(s.quality) for s in samples])
+    metadata["dropped"] = json.dumps([{"id": i, "flags": list(v.flags)} for i, v in dropped])
     save_file(tensors, str(path), metadata=metadata)
 
 
@@ -119,6 +143,8 @@ class TrainingSample:
     hidden_states: torch.Tensor
     finish_reason: str
     thinking: bool
+    # Checks the quality gate flagged (empty when the sample passed every check).
+    flags: tuple[str, ...] = ()
 
 
 class TrainingShard:
@@ -138,6 +164,11 @@ class TrainingShard:
         self.finish_reasons: list[str] = json.loads(self.metadata["finish_reasons"])
         self.thinking: list[bool] = json.loads(self.metadata["thinking"])
         self.layer_ids: list[int] = json.loads(self.metadata["layer_ids"])
+        # Shards written before the quality gate existed have no verdicts: every sample passed nothing.
+        self.quality: list[dict[str, Any]] = json.loads(self.metadata.get("quality", "null")) or [
+            quality_entry(None) for _ in self.sample_ids
+        ]
+        self.dropped: list[dict[str, Any]] = json.loads(self.metadata.get("dropped", "[]"))
         if len(self.sample_ids) + 1 != self.offsets.shape[0]:
             raise ShardFormatError(f"{self.path}: {len(self.sample_ids)} sample ids but {self.offsets.shape[0]} offsets")
 
@@ -160,7 +191,16 @@ class TrainingShard:
                 hidden_states=handle.get_slice("hidden_states")[start:end],
                 finish_reason=self.finish_reasons[index],
                 thinking=self.thinking[index],
+                flags=tuple(self.quality[index]["flags"]),
             )
 
+    def loss_mask_sums(self) -> list[int]:
+        """Generated tokens per sample, read from the mask alone (no hidden states loaded)."""
+        with safe_open(str(self.path), framework="pt") as handle:
+            mask = handle.get_tensor("loss_mask").to(torch.int64)
+        running = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
+        return (running[self.offsets[1:]] - running[self.offsets[:-1]]).tolist()
+
     def info(self) -> dict[str, Any]:
-        return {key: value for key, value in self.metadata.items() if key not in {"sample_ids", "finish_reasons", "thinking"}}
+        per_sample = {"sample_ids", "finish_reasons", "thinking", "quality", "dropped"}
+        return {key: value for key, value in self.metadata.items() if key not in per_sample}

@@ -46,7 +46,11 @@ def status_json(config) -> dict:
 
 @pytest.mark.slow
 def test_status_figures_match_a_real_job(make_config, redis_url, start_worker, tmp_path):
-    config = make_config(dataset={"shard_size": 8, "thinking": "never"}, **{"generate.sampling": {"max_tokens": 16}})
+    # Every quality check flags rather than drops, so all 20 samples reach the extract lane.
+    keep_all = {"on_empty": "flag", "on_repetition": "flag", "on_unclosed_thinking": "flag"}
+    config = make_config(
+        dataset={"shard_size": 8, "thinking": "never"}, quality=keep_all, **{"generate.sampling": {"max_tokens": 16}}
+    )
     configure_app(config)
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text("\n".join(SAMPLE.read_text().splitlines()[:20]) + "\n")  # 20 samples: shards of 8, 8, 4
@@ -115,8 +119,8 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     ledger.mark_failed("s9", "dfq.extract: RuntimeError: boom")
     ledger.add({"enqueued_samples": 80}, now=now - 300)
     # In the last 5 minutes: 4 shards generated and extracted, so 1 shard per 75 s per lane.
-    ledger.add({"generate_shards": 4, "generate_samples": 32, "quality_dropped_stub": 3,
-                "quality_flagged_truncated": 2, "quality_dropped_empty": 1, "dead_letters_generate": 2}, now=now - 10)
+    ledger.add({"generate_shards": 4, "generate_samples": 32, "gate_keep": 28, "gate_flag": 2,
+                "gate_drop": 4, "gate_stub_drop": 3, "gate_truncated_flag": 2, "gate_empty_drop": 1, "dead_letters_generate": 2}, now=now - 10)
     ledger.add({"extract_shards": 4, "extract_samples": 26}, now=now - 5)
 
     status = collect_status(config, window_s=600, workers=WorkerView(), now=now)
@@ -125,7 +129,8 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     assert (gen.shards_done, gen.shards_remaining, gen.shards_failed) == (4, 5, 0)
     assert (ext.shards_done, ext.shards_remaining, ext.shards_failed) == (4, 5, 1)
     assert gen.eta_s == pytest.approx(5 * 75.0) and ext.eta_s == pytest.approx(5 * 75.0)
-    assert gen.quality == {"quality_dropped_empty": 1, "quality_dropped_stub": 3, "quality_flagged_truncated": 2}
+    assert gen.quality == {"gate_drop": 4, "gate_empty_drop": 1, "gate_flag": 2, "gate_keep": 28,
+                           "gate_stub_drop": 3, "gate_truncated_flag": 2}
     assert gen.quality_dropped == 4
     assert (gen.dead_letters, ext.dead_letters) == (2, 0)
 

@@ -1,0 +1,115 @@
+"""The length filter: prompt tokens counted with the target's tokenizer and chat template, at staging time.
+
+A prompt is skipped when its templated token count plus the generation budget exceeds max_model_len. When
+every assistant turn is regenerated, the conversation's other turns plus one generation budget must fit.
+Counting is batched: one template call and one fast-tokenizer call per batch of samples. The fast tokenizer
+releases the GIL, so batches are tokenized on a second thread while the next batch is read and rendered.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from dflash_queue.data.problems import BadRecord
+from dflash_queue.data.samples import Message, Sample
+
+BATCH = 1024
+
+
+@dataclass(frozen=True)
+class Counted:
+    sample: Sample
+    prompt_tokens: int
+
+
+def counted_messages(sample: Sample) -> tuple[Message, ...]:
+    """The messages whose template rendering is counted: the prompt, or every turn but the final slot."""
+    if sample.regenerate == "all":
+        return sample.messages[:-1]
+    return sample.messages
+
+
+class LengthFilter:
+    def __init__(self, formatter, *, max_model_len: int, budget: int, batch: int = BATCH) -> None:
+        self.formatter = formatter
+        self.max_model_len = max_model_len
+        self.budget = budget
+        self.limit = max_model_len - budget
+        self.batch = batch
+
+    def count(self, samples: list[Sample]) -> list[int]:
+        """Templated prompt tokens of each sample (with its own thinking setting)."""
+        return count_prompt_tokens(self.formatter, samples)
+
+    def filter(self, samples: Iterable[Sample]) -> Iterator[Counted | BadRecord]:
+        """Samples that fit, with their token counts, in order; a `BadRecord` for each one that does not."""
+        in_flight: deque[tuple[list[Sample], Future[list[int]]]] = deque()
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dfq-count") as pool:
+            for batch in _batches(samples, self.batch):
+                rendered = _render(self.formatter, batch)
+                in_flight.append((batch, pool.submit(_tokenize, self.formatter, rendered)))
+                if len(in_flight) > 2:
+                    yield from self._judge(*in_flight.popleft())
+            while in_flight:
+                yield from self._judge(*in_flight.popleft())
+
+    def _judge(self, samples: list[Sample], counted: Future[list[int]]) -> Iterator[Counted | BadRecord]:
+        for sample, tokens in zip(samples, counted.result()):
+            if tokens <= self.limit:
+                yield Counted(sample, tokens)
+            else:
+                file, line, unit = source_position(sample.source)
+                yield BadRecord(
+                    file,
+                    line,
+                    f"prompt too long: {tokens} tokens leave {self.max_model_len - tokens} < {self.budget} "
+                    f"for generation inside max_model_len {self.max_model_len}",
+                    unit=unit,
+                )
+
+
+def count_prompt_tokens(formatter, samples: list[Sample]) -> list[int]:
+    """Templated prompt tokens of each sample, with its own thinking setting, in two batched calls."""
+    return _tokenize(formatter, _render(formatter, samples))
+
+
+def _render(formatter, samples: list[Sample]) -> list[tuple[list[int], list[str]]]:
+    """(positions, templated texts) per thinking setting: the template takes it per call."""
+    groups = []
+    for thinking in (True, False):
+        picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
+        if picked:
+            texts = formatter.render_batch([counted_messages(samples[i]) for i in picked], enable_thinking=thinking)
+            groups.append((picked, texts))
+    return groups
+
+
+def _tokenize(formatter, groups: list[tuple[list[int], list[str]]]) -> list[int]:
+    counts = [0] * sum(len(picked) for picked, _ in groups)
+    for picked, texts in groups:
+        for index, tokens in zip(picked, formatter.count_tokens(texts)):
+            counts[index] = tokens
+    return counts
+
+
+def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
+    batch: list[Sample] = []
+    for sample in samples:
+        batch.append(sample)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def source_position(source: str) -> tuple[str, int, str]:
+    """(file, line or row, unit) of a sample's source ("file:line" or "file#row")."""
+    for separator, unit in ((":", "line"), ("#", "row")):
+        file, found, position = source.rpartition(separator)
+        if found and position.isdigit():
+            return file, int(position), unit
+    return source, 0, "line"

@@ -1,0 +1,161 @@
+"""Generating the assistant turns of a shard, judged by the quality gate as they come.
+
+Round k generates turn k of every sample that has one, in one engine call. By default a sample has one turn
+(one round). When every assistant turn is regenerated, turn k+1 is conditioned on exactly the ids of the
+turns before it: the next prompt is the current sequence plus the continuation the chat template writes
+after an assistant turn (next user/tool turns, next generation prompt), never a re-rendered copy. So the
+final sequence is exactly what was generated, and the extract lane prefills exactly those ids.
+
+A turn the gate sends back is generated once more in the same round with the retry budget; a dropped sample
+stops there and is recorded with its verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dflash_queue.data.samples import Message, Sample
+from dflash_queue.engines.base import GenerateEngine, Generation, GenerationRequest
+from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.quality.gate import DROP, RETRY, QualityGate, TurnVerdict, Verdict
+from dflash_queue.shards.completions import CompletionRecord, TurnSpan
+
+
+def split_turns(sample: Sample) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
+    """(messages before the first generated turn, messages between each generated turn and the next)."""
+    if sample.regenerate == "last":
+        return sample.messages, []
+    segments: list[list[Message]] = [[]]
+    for message in sample.messages:
+        if message.is_slot:
+            segments.append([])
+        else:
+            segments[-1].append(message)
+    # The last message is always a slot, so the last segment is empty and belongs to no turn.
+    return tuple(segments[0]), [tuple(s) for s in segments[1:-1]]
+
+
+@dataclass
+class _Conversation:
+    sample: Sample
+    between: list[tuple[Message, ...]]
+    ids: list[int]
+    turn_start: int
+    completion_start: int = 0
+    spans: list[TurnSpan] = field(default_factory=list)
+    verdicts: list[TurnVerdict] = field(default_factory=list)
+    last: Generation | None = None
+    dropped: bool = False
+
+    @property
+    def turns_done(self) -> int:
+        return len(self.verdicts)
+
+    @property
+    def active(self) -> bool:
+        return not self.dropped and self.turns_done < len(self.between) + 1
+
+
+class TurnGenerator:
+    def __init__(
+        self,
+        engine: GenerateEngine,
+        formatter: ChatFormatter,
+        gate: QualityGate,
+        *,
+        max_tokens: int,
+        retry_max_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.engine = engine
+        self.formatter = formatter
+        self.gate = gate
+        self.max_tokens = max_tokens
+        self.retry_max_tokens = retry_max_tokens
+        self.max_model_len = max_model_len
+
+    def run(self, samples: Sequence[Sample]) -> list[CompletionRecord]:
+        conversations = [self._start(sample) for sample in samples]
+        while active := [c for c in conversations if c.active]:
+            self._round(active)
+        return [self._record(c) for c in conversations]
+
+    def _start(self, sample: Sample) -> _Conversation:
+        first, between = split_turns(sample)
+        ids = self.formatter.prompt_ids(first, enable_thinking=sample.thinking)
+        return _Conversation(sample, between, ids, self._turn_start(ids, sample.thinking))
+
+    def _turn_start(self, ids: list[int], thinking: bool) -> int:
+        """Where the generation prompt that opens the current turn begins (the turn is judged from there)."""
+        opening = self.formatter.generation_prompt_ids(enable_thinking=thinking)
+        if opening and ids[-len(opening) :] == opening:
+            return len(ids) - len(opening)
+        return len(ids)
+
+    def _round(self, active: list[_Conversation]) -> None:
+        generations = self._generate(active, self.max_tokens, attempt=0)
+        verdicts = [self._judge(c, g) for c, g in zip(active, generations)]
+        again = [i for i, v in enumerate(verdicts) if v.decision == RETRY]
+        if again:
+            retried = self._generate([active[i] for i in again], self.retry_max_tokens, attempt=1)
+            for index, generation in zip(again, retried):
+                generations[index] = generation
+                reasons = tuple(c for c in verdicts[index].failed if self.gate.policy[c] == RETRY)
+                verdicts[index] = self._judge(active[index], generation, retried=reasons)
+        for conversation, generation, verdict in zip(active, generations, verdicts):
+            self._finish_turn(conversation, generation, verdict)
+
+    def _generate(self, conversations: list[_Conversation], budget: int, *, attempt: int) -> list[Generation]:
+        out: list[Generation | None] = [None] * len(conversations)
+        requests, positions = [], []
+        for index, c in enumerate(conversations):
+            room = min(budget, self.max_model_len - len(c.ids))
+            if room <= 0:
+                # No room left in the context: an empty, truncated turn, judged like any other.
+                out[index] = Generation(c.sample.id, list(c.ids), [], "length", "")
+                continue
+            max_tokens = None if room == self.max_tokens else room
+            requests.append(GenerationRequest(c.sample.id, list(c.ids), max_tokens=max_tokens, attempt=attempt))
+            positions.append(index)
+        if requests:
+            for index, generation in zip(positions, self.engine.generate(requests), strict=True):
+                out[index] = generation
+        return out  # type: ignore[return-value]
+
+    def _judge(self, c: _Conversation, g: Generation, *, retried: tuple[str, ...] = ()) -> TurnVerdict:
+        turn = c.ids[c.turn_start :] + g.completion_ids
+        return self.gate.judge(turn, len(c.ids) - c.turn_start, g.finish_reason, retried=retried)
+
+    def _finish_turn(self, c: _Conversation, g: Generation, verdict: TurnVerdict) -> None:
+        c.completion_start = len(c.ids)
+        c.ids.extend(g.completion_ids)
+        c.verdicts.append(verdict)
+        c.last = g
+        if verdict.decision == DROP:
+            c.dropped = True
+            return
+        if not c.active:
+            return
+        c.spans.append(TurnSpan(c.completion_start, len(c.ids), g.finish_reason))
+        last_token = g.completion_ids[-1] if g.finish_reason == "stop" and g.completion_ids else None
+        c.ids.extend(
+            self.formatter.continuation_ids(
+                c.between[c.turns_done - 1], enable_thinking=c.sample.thinking, last_token=last_token
+            )
+        )
+        c.turn_start = self._turn_start(c.ids, c.sample.thinking)
+
+    def _record(self, c: _Conversation) -> CompletionRecord:
+        assert c.last is not None
+        return CompletionRecord(
+            id=c.sample.id,
+            prompt_ids=c.ids[: c.completion_start],
+            completion_ids=c.ids[c.completion_start :],
+            finish_reason=c.last.finish_reason,
+            thinking=c.sample.thinking,
+            text=c.last.text,
+            source=c.sample.source,
+            earlier_turns=tuple(c.spans),
+            quality=Verdict.combine(c.verdicts),
+        )

@@ -1,0 +1,154 @@
+"""Gate decisions: which checks a turn fails, what the configured policy does about it, and the counts.
+
+Per check the policy is "off", "flag", "drop" or "retry". A turn that fails several checks gets the strongest
+action (drop > retry > flag). A retried turn that fails again gets `on_retry_failure` instead of "retry".
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_queue.config import QualityConfig
+from dflash_queue.quality.checks import CHECKS, LoopRule, TokenMarkers, TurnAssessment, assess_turn
+
+KEEP, FLAG, DROP, RETRY = "keep", "flag", "drop", "retry"
+DECISIONS = (KEEP, FLAG, DROP)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The gate's word on one sample (all its generated turns), stored with the completion record."""
+
+    decision: str = KEEP
+    # Checks failed by the final attempt of any turn.
+    flags: tuple[str, ...] = ()
+    # Checks that sent a turn back for a retry.
+    retried: tuple[str, ...] = ()
+    # Fewest answer tokens of any turn.
+    answer_tokens: int = 0
+    # Thinking state of the last turn ("closed", "off", "unclosed", "none").
+    thinking: str = "none"
+
+    @property
+    def kept(self) -> bool:
+        return self.decision != DROP
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "decision": self.decision,
+            "flags": list(self.flags),
+            "retried": list(self.retried),
+            "answer_tokens": self.answer_tokens,
+            "thinking": self.thinking,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Verdict:
+        return cls(
+            decision=str(data.get("decision", KEEP)),
+            flags=tuple(data.get("flags", ())),
+            retried=tuple(data.get("retried", ())),
+            answer_tokens=int(data.get("answer_tokens", 0)),
+            thinking=str(data.get("thinking", "none")),
+        )
+
+    @classmethod
+    def combine(cls, turns: Iterable[TurnVerdict]) -> Verdict:
+        turns = list(turns)
+        if not turns:
+            return cls()
+        decisions = {t.decision for t in turns}
+        decision = DROP if DROP in decisions else FLAG if FLAG in decisions else KEEP
+        flags = {c for t in turns for c in t.failed}
+        retried = {c for t in turns for c in t.retried}
+        return cls(
+            decision=decision,
+            flags=tuple(c for c in CHECKS if c in flags),
+            retried=tuple(c for c in CHECKS if c in retried),
+            answer_tokens=min(t.assessment.answer_tokens for t in turns),
+            thinking=turns[-1].assessment.thinking,
+        )
+
+
+@dataclass(frozen=True)
+class TurnVerdict:
+    assessment: TurnAssessment
+    failed: tuple[str, ...]
+    decision: str  # keep, flag, drop, or retry (before the retry has run)
+    retried: tuple[str, ...] = ()
+
+
+class QualityGate:
+    def __init__(self, config: QualityConfig, markers: TokenMarkers) -> None:
+        self.config = config
+        self.markers = markers
+        self.loops = LoopRule(config.repetition_max_period, config.repetition_min_repeats, config.repetition_min_tokens)
+        self.policy = {
+            "empty": config.on_empty,
+            "stub": config.on_stub,
+            "truncated": config.on_truncated,
+            "unclosed_thinking": config.on_unclosed_thinking,
+            "repetition": config.on_repetition,
+        }
+
+    def judge(
+        self, turn_ids: list[int], completion_start: int, finish_reason: str, *, retried: tuple[str, ...] = ()
+    ) -> TurnVerdict:
+        """Assess one turn and decide. `retried`: the checks that sent this turn back (empty on a first try)."""
+        assessment = assess_turn(turn_ids, completion_start, finish_reason, self.markers, self.loops)
+        failed = tuple(
+            c for c in assessment.failed(min_answer_tokens=self.config.min_answer_tokens) if self.policy[c] != "off"
+        )
+        return TurnVerdict(assessment, failed, self.decide(failed, after_retry=bool(retried)), retried)
+
+    def decide(self, failed: Iterable[str], *, after_retry: bool) -> str:
+        actions = set()
+        for check in failed:
+            action = self.policy[check]
+            if action == RETRY and after_retry:
+                action = self.config.on_retry_failure
+            actions.add(action)
+        for action in (DROP, RETRY, FLAG):
+            if action in actions:
+                return action
+        return KEEP
+
+
+@dataclass
+class GateCounts:
+    """Decisions of one shard, as ledger counters: `gate_{decision}` per sample, `gate_{check}_{action}` per
+    failed check, `gate_retried` per sample that was retried."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def add(self, verdict: Verdict) -> None:
+        self.counts[f"gate_{verdict.decision}"] += 1
+        if verdict.retried:
+            self.counts["gate_retried"] += 1
+        for check in verdict.retried:
+            self.counts[f"gate_{check}_retry"] += 1
+        if verdict.decision != KEEP:
+            for check in verdict.flags:
+                self.counts[f"gate_{check}_{verdict.decision}"] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.counts)
+
+
+def gate_summary(counters: dict[str, int]) -> list[str]:
+    """Human lines for a run summary from ledger counters."""
+    kept, flagged, dropped = (counters.get(f"gate_{d}", 0) for d in DECISIONS)
+    retried = counters.get("gate_retried", 0)
+    lines = [f"{kept} kept, {flagged} flagged, {dropped} dropped, {retried} retried"]
+    for check in CHECKS:
+        parts = [
+            f"{counters[f'gate_{check}_{action}']} {past}"
+            for action, past in ((FLAG, "flagged"), (DROP, "dropped"), (RETRY, "retried"))
+            if counters.get(f"gate_{check}_{action}")
+        ]
+        if parts:
+            lines.append(f"{check.replace('_', ' ')}: {', '.join(parts)}")
+    return lines

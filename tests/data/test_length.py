@@ -1,0 +1,48 @@
+"""The length filter with the real tokenizer and chat template."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_queue.data.length import LengthFilter, source_position
+from dflash_queue.data.problems import BadRecord
+from dflash_queue.data.samples import SLOT, Message, Sample, sample_id
+from dflash_queue.engines.chat import ChatFormatter
+
+
+def make(text: str, *, thinking: bool = True, source: str = "d.jsonl:1", all_turns: bool = False) -> Sample:
+    messages = (Message("user", text), SLOT) if all_turns else (Message("user", text),)
+    return Sample(sample_id(messages), messages, source, thinking=thinking, regenerate="all" if all_turns else "last")
+
+
+@pytest.fixture(scope="module")
+def formatter(tiny_model) -> ChatFormatter:
+    return ChatFormatter(AutoTokenizer.from_pretrained(tiny_model))
+
+
+def test_counts_are_the_templated_prompt_ids(formatter):
+    samples = [make("short"), make("a much longer question " * 30, thinking=False), make("all", all_turns=True)]
+    counted = LengthFilter(formatter, max_model_len=4096, budget=16).count(samples)
+    assert counted[0] == len(formatter.prompt_ids(samples[0].messages, enable_thinking=True))
+    assert counted[1] == len(formatter.prompt_ids(samples[1].messages, enable_thinking=False))
+    assert counted[2] == len(formatter.prompt_ids(samples[2].messages[:1], enable_thinking=True))
+    assert counted[1] > 4 * counted[0]
+
+
+def test_prompts_that_leave_too_little_room_are_skipped_with_a_reason(formatter):
+    short, long = make("hi", source="a.jsonl:3"), make("word " * 400, source="b.parquet#7")
+    tokens = len(formatter.prompt_ids(long.messages, enable_thinking=True))
+    limit = LengthFilter(formatter, max_model_len=tokens + 99, budget=100, batch=1)
+    out = list(limit.filter([short, long, short]))
+    assert [type(o).__name__ for o in out] == ["Counted", "BadRecord", "Counted"]
+    bad: BadRecord = out[1]
+    assert (bad.file, bad.line, bad.unit) == ("b.parquet", 7, "row")
+    assert bad.reason == f"prompt too long: {tokens} tokens leave 99 < 100 for generation inside max_model_len {tokens + 99}"
+    assert [o.sample.id for o in LengthFilter(formatter, max_model_len=tokens + 100, budget=100).filter([long])] == [long.id]
+
+
+def test_source_positions():
+    assert source_position("/x/d.jsonl:12") == ("/x/d.jsonl", 12, "line")
+    assert source_position("/x/d.parquet#0") == ("/x/d.parquet", 0, "row")
+    assert source_position("weird") == ("weird", 0, "line")

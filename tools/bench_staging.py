@@ -1,0 +1,124 @@
+#!/usr/bin/env python
+"""Staging throughput: a synthetic ShareGPT file through the producer into a real private redis-server.
+
+The producer does everything a real run does: read and parse, stable ids, exact-duplicate removal, thinking
+policy, prompt-token counting with the target's tokenizer and chat template (length filter), prompt shard
+writing to local storage, and one Celery message per shard. Side by side in the same run it times the read
+and parse alone (no counting, no shards, no Redis) so the ratio shows what staging adds on top of reading.
+Prints prompts/s and Redis's peak memory (INFO memory used_memory_peak). Targets: 1,000,000 prompts in under
+3 minutes, Redis under 50 MB.
+
+    .venv/bin/python tools/bench_staging.py [--prompts 1000000] [--model .cache/tiny-qwen3] [--tokenizer PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import redis  # noqa: E402
+
+from dflash_queue.config import load_config  # noqa: E402
+from dflash_queue.ledger import Ledger  # noqa: E402
+from dflash_queue.producer import EnqueueReport, Producer, iter_samples  # noqa: E402
+from dflash_queue.queue.app import GENERATE_QUEUE, configure_app  # noqa: E402
+from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.testing.configs import tiny_config_tables, write_config  # noqa: E402
+from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
+
+SUBJECTS = ["a binary search", "the French revolution", "photosynthesis", "a REST API", "compound interest",
+            "sourdough bread", "black holes", "SQL joins", "the immune system", "a haiku about rain"]
+ASKS = ["Explain {s} to a beginner.", "Write a Python function about {s}.", "What are common mistakes with {s}?",
+        "Summarize {s} in three sentences.", "Compare {s} with something similar and list the trade-offs."]
+SYSTEMS = ["You are a helpful assistant.", "Answer concisely.", "You are an expert tutor. Use examples."]
+
+
+def make_dataset(path: Path, prompts: int, seed: int = 0) -> None:
+    """`prompts` ShareGPT records: ~1% exact duplicates, a third with a system prompt, a tenth multi-turn."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as handle:
+        for index in range(prompts):
+            number = index if rng.random() > 0.01 else max(0, index - 1)
+            subject = SUBJECTS[number % len(SUBJECTS)]
+            ask = ASKS[(number // len(SUBJECTS)) % len(ASKS)].format(s=subject)
+            turns = []
+            if number % 3 == 0:
+                turns.append({"from": "system", "value": SYSTEMS[number % len(SYSTEMS)]})
+            if number % 10 == 0:
+                turns += [{"from": "human", "value": f"Hi! Question {number} is coming."},
+                          {"from": "gpt", "value": "Sure, go ahead."}]
+            turns += [{"from": "human", "value": f"{ask} (case {number})"},
+                      {"from": "gpt", "value": f"Here is an answer about {subject} for case {number}."}]
+            handle.write(json.dumps({"id": f"s{index}", "conversations": turns}) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=1_000_000)
+    parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="Count with this tokenizer instead.")
+    parser.add_argument("--dataset", type=Path, default=None, help="Reuse (or create) the synthetic file here.")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    model = build_tiny_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="dfq-bench-staging-") as tmp_name:
+        tmp = Path(tmp_name)
+        dataset = args.dataset or tmp / "prompts.jsonl"
+        if not dataset.exists():
+            started = time.perf_counter()
+            make_dataset(dataset, args.prompts)
+            print(f"wrote {args.prompts} prompts ({dataset.stat().st_size / 1e6:.0f} MB) in "
+                  f"{time.perf_counter() - started:.1f} s (not timed below)")
+        with RedisServer(tmp / "redis") as server:
+            tables = tiny_config_tables(model, tmp / "storage", server.url, tmp / "state")
+            overrides = {"dataset": {"shard_size": args.shard_size, "thinking": "auto", "max_model_len": 4096,
+                                     "generation_budget": 1024}}
+            if args.tokenizer:
+                overrides["model"] = {"tokenizer": str(args.tokenizer.resolve())}
+            config = load_config(write_config(tmp / "bench.toml", tables, **overrides))
+            configure_app(config)
+            client = redis.Redis.from_url(server.url)
+
+            # Read and parse alone: the floor staging is measured against.
+            started = time.perf_counter()
+            read_report = EnqueueReport()
+            for _ in iter_samples(config, [dataset], read_report):
+                pass
+            read_s = time.perf_counter() - started
+
+            started = time.perf_counter()
+            cpu, main_cpu = time.process_time(), time.thread_time()
+            report = Producer(config, Ledger.from_url(server.url, config.run.name)).enqueue([dataset])
+            staging_s = time.perf_counter() - started
+            staging_cpu, main_cpu = time.process_time() - cpu, time.thread_time() - main_cpu
+            memory = client.info("memory")
+            queued = client.llen(GENERATE_QUEUE)
+            load = os.getloadavg()
+
+    print(f"prompts: {report.samples + report.duplicates} read, {report.duplicates} duplicates, "
+          f"{report.too_long.total} too long, {report.staged} staged (thinking on for {report.thinking_on}), "
+          f"{report.prompt_tokens} prompt tokens counted")
+    print(f"shards: {report.shards} written, {queued} messages queued")
+    print(f"read + parse + dedupe only: {read_s:.1f} s ({read_report.samples / read_s:,.0f} prompts/s)")
+    print(f"full staging:               {staging_s:.1f} s ({report.samples / staging_s:,.0f} prompts/s, "
+          f"{staging_cpu:.1f} s CPU in this process, {main_cpu:.1f} s of it on the main thread)")
+    print(f"staging_time / read_time = {staging_s / read_s:.2f}")
+    print(f"staging time / 180 s target = {staging_s / 180:.2f}")
+    print(f"redis used_memory_peak: {memory['used_memory_peak'] / 1e6:.1f} MB (target < 50 MB); "
+          f"used now {memory['used_memory'] / 1e6:.1f} MB")
+    print(f"load average during the run (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()
