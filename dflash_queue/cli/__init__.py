@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_queue import __version__
-from dflash_queue.cli import pipeline
+from dflash_queue.cli import pipeline, shards
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -14,5 +14,5 @@ def main() -> None:
     """Regenerate a prompt dataset with the target model and extract its hidden states for drafter training."""
 
 
-for command in pipeline.COMMANDS:
+for command in [*pipeline.COMMANDS, *shards.COMMANDS]:
     main.add_command(command)
