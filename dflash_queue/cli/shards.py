@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +49,15 @@ def export(
 
     console = Console(stderr=True)
     try:
-        dataset = ShardDataset(
-            shards,
-            hidden_dtype=hidden_dtype_named(dtype),
-            finish_reasons=finish_reasons or None,
-            exclude_flags=exclude_flags,
-            drop_flagged=drop_flagged,
-        )
+        with warnings.catch_warnings():  # bad shards are listed in the report below
+            warnings.simplefilter("ignore", UserWarning)
+            dataset = ShardDataset(
+                shards,
+                hidden_dtype=hidden_dtype_named(dtype),
+                finish_reasons=finish_reasons or None,
+                exclude_flags=exclude_flags,
+                drop_flagged=drop_flagged,
+            )
         if not dataset.shards:
             problems = "\n".join(f"  {key}: {problem}" for key, problem in dataset.bad_shards)
             raise click.ClickException(f"{shards}: no readable shard\n{problems}")
