@@ -28,8 +28,10 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 @click.argument("out", metavar="OUT")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True,
               help="dtype of the exported hidden states (fp8 shards are dequantised to it).")
-@click.option("--finish-reason", "finish_reasons", multiple=True, help="Keep only samples that ended so (repeatable), e.g. stop.")
-@click.option("--exclude-flag", "exclude_flags", multiple=True, help="Leave out samples with this quality flag (repeatable).")
+@click.option("--finish-reason", "finish_reasons", multiple=True,
+              help="Keep only samples that ended so (repeatable), e.g. stop.")
+@click.option("--exclude-flag", "exclude_flags", multiple=True,
+              help="Leave out samples with this quality flag (repeatable).")
 @click.option("--drop-flagged", is_flag=True, help="Leave out samples with any quality flag.")
 def export(
     shards: str,
@@ -64,7 +66,9 @@ def export(
         target = open_storage(str(Path(out).resolve()) if "://" not in out else out)
         with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task("samples", total=len(dataset))
-            report = export_dataset(dataset, FORMATS[format_name], target, source=shards, on_sample=lambda n: bar.advance(task, n))
+            report = export_dataset(
+                dataset, FORMATS[format_name], target, source=shards, on_sample=lambda n: bar.advance(task, n)
+            )
     except (ShardFormatError, StorageError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in report.lines():
@@ -109,7 +113,8 @@ def inspect(
         preview = None
         if report.index is not None and report.index.num_samples:
             if sample >= report.index.num_samples:
-                raise click.ClickException(f"{report.where}: --sample {sample}, but the shard holds {report.index.num_samples}")
+                held = report.index.num_samples
+                raise click.ClickException(f"{report.where}: --sample {sample}, but the shard holds {held}")
             preview = sample_preview(located.storage, key, report.index, sample)
     except (ShardFormatError, StorageError) as exc:
         raise click.ClickException(str(exc)) from None

@@ -48,7 +48,8 @@ def checked_layer_ids(index: ShardIndex) -> tuple[list[int], int]:
             f"{index.where}: layer_convention {convention!r} is not one this exporter knows ({sorted(OFFSETS)}); "
             "refusing to convert layer ids of unknown meaning"
         )
-    if convention == DECODER_LAYER_OUTPUT and meta.get("hf_hidden_states_index", HF_HIDDEN_STATES_INDEX) != HF_HIDDEN_STATES_INDEX:
+    hf_index = meta.get("hf_hidden_states_index", HF_HIDDEN_STATES_INDEX)
+    if convention == DECODER_LAYER_OUTPUT and hf_index != HF_HIDDEN_STATES_INDEX:
         raise LayerConventionError(
             f"{index.where}: hf_hidden_states_index {meta['hf_hidden_states_index']!r} contradicts "
             f"layer_convention {convention!r} (expected {HF_HIDDEN_STATES_INDEX!r})"

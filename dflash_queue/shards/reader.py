@@ -134,22 +134,33 @@ class ShardIndex:
 
 
 def read_sample(
-    index: ShardIndex, source: ByteSource, sample: int, hidden_dtype: torch.dtype = torch.bfloat16
+    index: ShardIndex,
+    source: ByteSource,
+    sample: int,
+    hidden_dtype: torch.dtype = torch.bfloat16,
+    *,
+    dequantize: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """`input_ids` and `loss_mask` (int64 [T]) and `hidden_states` ([T, K, H] in `hidden_dtype`, dequantised
-    when stored as fp8) of one sample, reading only its rows."""
+    """`input_ids` and `loss_mask` (int64 [T]) and `hidden_states` ([T, K, H] in `hidden_dtype`) of one sample,
+    reading only its rows. An fp8 shard's states are dequantised, unless `dequantize` is False: then they come
+    as stored (float8_e4m3fn) with `hidden_scales` (float32 [T, K]), to be dequantised on the GPU."""
     start, end = index.rows(sample)
     tensors = index.layout.tensors
     hidden = read_rows(tensors["hidden_states"], source, start, end)
-    if index.dtype == FP8_NAME:
-        hidden = dequantize_fp8(hidden, read_rows(tensors[SCALES_TENSOR], source, start, end), hidden_dtype)
-    elif hidden.dtype != hidden_dtype:
-        hidden = hidden.to(hidden_dtype)
-    return {
+    out = {
         "input_ids": read_rows(tensors["input_ids"], source, start, end).to(torch.int64),
         "loss_mask": read_rows(tensors["loss_mask"], source, start, end).to(torch.int64),
-        "hidden_states": hidden,
     }
+    if index.dtype == FP8_NAME:
+        scales = read_rows(tensors[SCALES_TENSOR], source, start, end)
+        if dequantize:
+            hidden = dequantize_fp8(hidden, scales, hidden_dtype)
+        else:
+            out[SCALES_TENSOR] = scales
+    elif hidden.dtype != hidden_dtype:
+        hidden = hidden.to(hidden_dtype)
+    out["hidden_states"] = hidden
+    return out
 
 
 def read_rows(spec: TensorSpec, source: ByteSource, start: int, end: int) -> torch.Tensor:
@@ -210,7 +221,10 @@ def _json(meta: dict[str, str], key: str, where: str) -> Any:
 
 def _json_list(meta: dict[str, str], key: str, where: str, kind: type, *, count: int | None = None) -> list:
     value = _json(meta, key, where)
-    if not isinstance(value, list) or not all(isinstance(v, kind) and not (kind is int and isinstance(v, bool)) for v in value):
+    def fits(v: Any) -> bool:
+        return isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+
+    if not isinstance(value, list) or not all(fits(v) for v in value):
         raise ShardFormatError(f"{where}: metadata {key!r} must be a JSON list of {kind.__name__}")
     if count is not None and len(value) != count:
         raise ShardFormatError(f"{where}: metadata {key!r} has {len(value)} entries for {count} samples")
@@ -230,7 +244,9 @@ def _quality_flags(meta: dict[str, str], where: str, count: int) -> tuple[tuple[
             isinstance(v, dict) and isinstance(v.get("flags", []), list) and all(isinstance(f, str) for f in v.get("flags", []))
             for v in verdicts
         ):
-            raise ShardFormatError(f"{where}: metadata {QUALITY_VERDICTS_KEY!r} must be a JSON list of objects with a 'flags' list")
+            raise ShardFormatError(
+                f"{where}: metadata {QUALITY_VERDICTS_KEY!r} must be a JSON list of objects with a 'flags' list"
+            )
         value = [v.get("flags", []) for v in verdicts]
     else:
         return tuple(() for _ in range(count))

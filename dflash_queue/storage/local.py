@@ -45,7 +45,8 @@ class LocalStorage:
             raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
         if len(data) != length:
             raise StorageError(
-                f"{self.url}: {key} holds {start + len(data)} bytes, fewer than the range [{start}, {start + length}) asked"
+                f"{self.url}: {key} holds {start + len(data)} bytes, "
+                f"fewer than the range [{start}, {start + length}) asked"
             )
         return data
 

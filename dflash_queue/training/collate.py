@@ -7,13 +7,13 @@ from typing import Any
 
 import torch
 
-PADDED = ("input_ids", "loss_mask", "hidden_states")
+PADDED = ("input_ids", "loss_mask", "hidden_states", "hidden_scales")
 
 
 def collate_padded(items: Sequence[dict[str, Any]], *, pad_id: int = 0) -> dict[str, Any]:
     """Stack `ShardDataset` items into [B, T_max, ...] tensors.
 
-    Padding positions get `pad_id` in `input_ids`, 0 in `loss_mask` and `hidden_states`, and 0 in
+    Padding positions get `pad_id` in `input_ids`, 0 in `loss_mask`, `hidden_states` (and `hidden_scales`), 0 in
     `attention_mask` (1 on real tokens); `lengths` holds each sample's token count. Metadata fields become
     lists in batch order.
     """
@@ -23,6 +23,8 @@ def collate_padded(items: Sequence[dict[str, Any]], *, pad_id: int = 0) -> dict[
     width = int(lengths.max())
     batch: dict[str, Any] = {}
     for name in PADDED:
+        if name not in items[0]:
+            continue
         first = items[0][name]
         fill = pad_id if name == "input_ids" else 0
         out = torch.full((len(items), width, *first.shape[1:]), fill, dtype=first.dtype)

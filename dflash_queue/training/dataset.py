@@ -56,7 +56,9 @@ class SampleFilter:
 class ShardDataset(Dataset):
     """Samples of many shards, item i -> dict with
 
-    `input_ids`, `loss_mask` int64 [T]; `hidden_states` [T, K, H] in `hidden_dtype` (fp8 shards dequantised);
+    `input_ids`, `loss_mask` int64 [T]; `hidden_states` [T, K, H] in `hidden_dtype` (fp8 shards dequantised;
+    with `dequantize=False` they come as stored, float8_e4m3fn, with `hidden_scales` float32 [T, K] to
+    dequantise on the GPU with `dflash_queue.shards.fp8.dequantize_fp8`);
     `sample_id`, `finish_reason`, `thinking`, `quality_flags` (list of str), `shard` (storage key).
     Shard-level facts are attributes: `layer_ids`, `hidden_size`, `target_model`, `layer_convention`.
     """
@@ -68,6 +70,7 @@ class ShardDataset(Dataset):
         keys: Sequence[str] | None = None,
         prefix: str = "",
         hidden_dtype: torch.dtype = torch.bfloat16,
+        dequantize: bool = True,
         finish_reasons: Collection[str] | None = None,
         exclude_flags: Collection[str] = (),
         drop_flagged: bool = False,
@@ -79,6 +82,7 @@ class ShardDataset(Dataset):
             raise ValueError(f"hidden_dtype must be one of {HIDDEN_DTYPES}, got {hidden_dtype}")
         located = locate_shards(shards, keys=keys, prefix=prefix)
         self.hidden_dtype = hidden_dtype
+        self.dequantize = dequantize
         self.filter = SampleFilter(
             frozenset(finish_reasons) if finish_reasons is not None else None,
             frozenset(exclude_flags),
@@ -131,7 +135,9 @@ class ShardDataset(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         position, row = self._locate(i)
         index = self.shards[position]
-        item: dict[str, Any] = read_sample(index, self._source(position), row, self.hidden_dtype)
+        item: dict[str, Any] = read_sample(
+            index, self._source(position), row, self.hidden_dtype, dequantize=self.dequantize
+        )
         item.update(
             sample_id=index.sample_ids[row],
             finish_reason=index.finish_reasons[row],

@@ -47,3 +47,12 @@ def test_dequantise_to_the_dtype_asked():
     as_f32 = dequantize_fp8(quantized, scales, torch.float32)
     assert as_bf16.dtype == torch.bfloat16 and as_f32.dtype == torch.float32
     assert torch.equal(as_bf16, as_f32.to(torch.bfloat16))
+
+
+def test_dequantisation_is_exact_for_every_e4m3_code():
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(2, 1, 128)
+    scales = torch.tensor([[1.0], [3.0e-5]])
+    want = codes.to(torch.float32) * scales.unsqueeze(-1)
+    got = dequantize_fp8(codes, scales, torch.float32)
+    finite = ~torch.isnan(want)
+    assert finite.sum() == 254 and torch.equal(got[finite], want[finite])

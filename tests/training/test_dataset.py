@@ -222,3 +222,22 @@ def test_pickled_copies_and_single_shard_targets(pipeline_shards):
         ShardDataset(root / "missing")
     with pytest.raises(IndexError):
         dataset[12]
+
+
+def test_fp8_states_can_come_as_stored_for_dequantising_on_the_gpu(pipeline_shards):
+    from dflash_queue.shards.fp8 import dequantize_fp8
+
+    root = pipeline_shards["fp8_e4m3"].storage.url
+    dequantized = ShardDataset(root)
+    raw = ShardDataset(root, dequantize=False)
+    loader = DataLoader(raw, batch_size=4, num_workers=2, collate_fn=collate_padded)
+    i = 0
+    for batch in loader:
+        assert batch["hidden_states"].dtype == torch.float8_e4m3fn and batch["hidden_scales"].dtype == torch.float32
+        for row in range(len(batch["sample_id"])):
+            length = int(batch["lengths"][row])
+            states = dequantize_fp8(batch["hidden_states"][row, :length], batch["hidden_scales"][row, :length])
+            assert torch.equal(states, dequantized[i]["hidden_states"])
+            i += 1
+    assert i == len(dequantized) == 12
+    assert "hidden_scales" not in ShardDataset(pipeline_shards["bfloat16"].storage.url, dequantize=False)[0]
