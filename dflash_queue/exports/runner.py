@@ -9,9 +9,11 @@ the same shards and filters always give the same numbering.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -80,32 +82,29 @@ def export_dataset(
             "for EAGLE-3 training)"
         )
 
-    index_lines: list[str] = []
-    for number in range(len(dataset)):
-        item = dataset[number]
-        name = export_format.file_name(number)
-        data = export_format.encode(item, report.target_layer_ids)
-        out.write_bytes(name, data)
-        tokens = int(item["input_ids"].shape[0])
-        report.samples += 1
-        report.tokens += tokens
-        report.bytes_written += len(data)
-        index_lines.append(
-            json.dumps(
-                {
-                    "file": name,
-                    "sample_id": item["sample_id"],
-                    "shard": item["shard"],
-                    "num_tokens": tokens,
-                    "finish_reason": item["finish_reason"],
-                    "quality_flags": item["quality_flags"],
-                }
-            )
-        )
-        if on_sample is not None:
-            on_sample(1)
-
-    out.write_bytes(INDEX, ("\n".join(index_lines) + "\n").encode() if index_lines else b"")
+    with tempfile.NamedTemporaryFile("w+", prefix="dfq-export-index-", suffix=".jsonl") as index_file:
+        for number in range(len(dataset)):
+            item = dataset[number]
+            name = export_format.file_name(number)
+            data = export_format.encode(item, report.target_layer_ids)
+            out.write_bytes(name, data)
+            tokens = int(item["input_ids"].shape[0])
+            report.samples += 1
+            report.tokens += tokens
+            report.bytes_written += len(data)
+            entry = {
+                "file": name,
+                "sample_id": item["sample_id"],
+                "shard": item["shard"],
+                "num_tokens": tokens,
+                "finish_reason": item["finish_reason"],
+                "quality_flags": item["quality_flags"],
+            }
+            index_file.write(json.dumps(entry) + "\n")
+            if on_sample is not None:
+                on_sample(1)
+        index_file.flush()
+        out.write_file(INDEX, Path(index_file.name))
     manifest = {
         "format": export_format.name,
         "source": source,

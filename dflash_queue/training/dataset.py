@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +32,8 @@ from dflash_queue.storage.factory import open_storage
 from dflash_queue.storage.local import LocalStorage
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Shards a process keeps open at once (least recently read closed first).
+MAX_OPEN_SHARDS = 64
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class ShardDataset(Dataset):
         self._storage = located.storage
         self._storage_url = located.url
         self._pid = os.getpid()
-        self._sources: dict[int, ByteSource] = {}
+        self._sources: OrderedDict[int, ByteSource] = OrderedDict()
 
         self.keys: list[str] = []
         self.shards: list[ShardIndex] = []
@@ -182,7 +184,7 @@ class ShardDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_sources"] = {}
+        state["_sources"] = OrderedDict()
         if not isinstance(self._storage, LocalStorage):
             try:
                 pickle.dumps(self._storage)
@@ -204,13 +206,17 @@ class ShardDataset(Dataset):
     def _source(self, position: int) -> ByteSource:
         if self._pid != os.getpid():
             # A forked copy: drop the parent's sources and, for a remote storage opened from a URL, its client.
-            self._sources = {}
+            self._sources = OrderedDict()
             if not isinstance(self._storage, LocalStorage) and self._storage_url is not None:
                 self._storage = open_storage(self._storage_url)
             self._pid = os.getpid()
         source = self._sources.get(position)
         if source is None:
+            if len(self._sources) >= MAX_OPEN_SHARDS:  # stay far below the open-files limit
+                self._sources.popitem(last=False)[1].close()
             source = self._sources[position] = open_source(self._storage, self.keys[position])
+        else:
+            self._sources.move_to_end(position)
         return source
 
     def _locate(self, i: int) -> tuple[int, int]:

@@ -205,10 +205,17 @@ def test_storages_without_local_files_read_by_ranges_or_whole(pipeline_shards):
     assert all(torch.equal(whole[i]["hidden_states"], expected[whole[i]["sample_id"]]) for i in range(len(whole)))
 
 
-def test_pickled_copies_and_single_shard_targets(pipeline_shards):
+def test_pickled_copies_and_single_shard_targets(pipeline_shards, monkeypatch):
+    from dflash_queue.training import dataset as dataset_module
+
     root = Path(pipeline_shards["bfloat16"].storage.url)
     dataset = ShardDataset(root)
-    dataset[0]  # opens a file in this process
+    monkeypatch.setattr(dataset_module, "MAX_OPEN_SHARDS", 1)
+    first = [dataset[i]["hidden_states"] for i in (0, 6, 1, 7)]  # alternating shards: each read reopens
+    assert len(dataset._sources) == 1
+    monkeypatch.undo()
+    assert all(torch.equal(a, dataset[i]["hidden_states"]) for a, i in zip(first, (0, 6, 1, 7)))
+    assert len(dataset._sources) == 2
     copy = pickle.loads(pickle.dumps(dataset))
     assert copy._sources == {} and len(copy) == len(dataset)
     assert torch.equal(copy[7]["hidden_states"], dataset[7]["hidden_states"])
