@@ -17,7 +17,7 @@ import warnings
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -185,6 +185,8 @@ class ShardDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_sources"] = OrderedDict()
+        # `where` did its work when the index was built; a lambda would not pickle (spawned workers).
+        state["filter"] = replace(self.filter, where=None)
         if not isinstance(self._storage, LocalStorage):
             try:
                 pickle.dumps(self._storage)
