@@ -39,14 +39,19 @@ class LocalStorage:
         try:
             with open(self.path_of(key), "rb") as handle:
                 data = os.pread(handle.fileno(), length, start)
+                while 0 < len(data) < length:  # one read returns at most ~2 GiB
+                    more = os.pread(handle.fileno(), length - len(data), start + len(data))
+                    if not more:
+                        break
+                    data += more
+                size = os.fstat(handle.fileno()).st_size
         except FileNotFoundError:
             raise
         except OSError as exc:
             raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
         if len(data) != length:
             raise StorageError(
-                f"{self.url}: {key} holds {start + len(data)} bytes, "
-                f"fewer than the range [{start}, {start + length}) asked"
+                f"{self.url}: {key} holds {size} bytes, fewer than the range [{start}, {start + length}) asked"
             )
         return data
 
