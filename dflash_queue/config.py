@@ -130,7 +130,8 @@ class ExtractConfig(_Section):
     layer_ids: LayerIds = ()
     # Padded tokens per forward pass.
     token_budget: PositiveInt = 16384
-    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # fp8_e4m3: half the bytes of bfloat16, one fp32 scale per token and layer; readers dequantise.
+    hidden_dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = "bfloat16"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
 
     @model_validator(mode="after")

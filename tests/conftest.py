@@ -76,3 +76,14 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     for worker in started:
         worker.stop(timeout=30)
 
+
+
+@pytest.fixture(scope="session")
+def pipeline_shards(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Config]:
+    """Shards made by the real generate and extract lanes: the same 12 samples (2 shards) extracted as
+    float32, bfloat16 and fp8_e4m3; {hidden_dtype: config}. Read-only: copy before altering."""
+    from dflash_queue.testing.pipeline_shards import produce_training_shards
+
+    return produce_training_shards(
+        tiny_model, tmp_path_factory.mktemp("pipeline-shards"), hidden_dtypes=("float32", "bfloat16", "fp8_e4m3")
+    )

@@ -5,6 +5,7 @@ Tensors:
   loss_mask      uint8  [T]         1 exactly on generated tokens (every regenerated turn)
   hidden_states  dtype  [T, K, H]   output of decoder layer `layer_ids[k]` at each token
   offsets        int64  [N + 1]     sample i spans tokens offsets[i]:offsets[i + 1]
+  hidden_scales  fp32   [T, K]      only when dtype is fp8_e4m3: states = fp8 * scale (see fp8.py)
 
 Metadata (all strings, JSON where structured) says what the tensors mean: target model, layer ids and their
 convention, dtype, sample ids, finish reasons, versions, and the quality gate's word per sample (`quality`:
@@ -27,6 +28,7 @@ from safetensors.torch import save_file
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8, quantize_fp8
 
 FORMAT = "dflash-queue/hidden-states"
 FORMAT_VERSION = "1"
@@ -112,7 +114,6 @@ def write_training_shard(
         raise ShardFormatError("refusing to write an empty shard")
     for sample in samples:
         validate_sample(sample, info)
-    dtype = _DTYPES[info.dtype]
     lengths = [s.input_ids.shape[0] for s in samples]
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
@@ -122,10 +123,18 @@ def write_training_shard(
         if samples else torch.zeros(0, dtype=torch.int32),
         "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples])
         if samples else torch.zeros(0, dtype=torch.uint8),
-        "hidden_states": torch.cat([s.hidden_states.to(dtype) for s in samples]).contiguous()
-        if samples else torch.zeros((0, *width), dtype=dtype),
         "offsets": offsets,
     }
+    # A shard whose samples were all dropped by the quality gate still has well-formed, empty tensors.
+    hidden = [s.hidden_states for s in samples] or [torch.zeros((0, *width))]
+    if info.dtype == FP8_NAME:
+        # Quantised sample by sample: a float32 copy of one sample, never of the whole shard.
+        quantized = [quantize_fp8(h) for h in hidden]
+        tensors["hidden_states"] = torch.cat([q for q, _ in quantized]).contiguous()
+        tensors[SCALES_TENSOR] = torch.cat([scales for _, scales in quantized]).contiguous()
+    else:
+        dtype = _DTYPES[info.dtype]
+        tensors["hidden_states"] = torch.cat([h.to(dtype) for h in hidden]).contiguous()
     metadata = info.to_metadata()
     metadata["sample_ids"] = json.dumps([s.id for s in samples])
     metadata["finish_reasons"] = json.dumps([s.finish_reason for s in samples])
@@ -184,11 +193,14 @@ class TrainingShard:
             raise IndexError(index)
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
         with safe_open(str(self.path), framework="pt") as handle:
+            hidden = handle.get_slice("hidden_states")[start:end]
+            if self.metadata.get("dtype") == FP8_NAME:
+                hidden = dequantize_fp8(hidden, handle.get_slice(SCALES_TENSOR)[start:end], torch.bfloat16)
             return TrainingSample(
                 id=self.sample_ids[index],
                 input_ids=handle.get_slice("input_ids")[start:end],
                 loss_mask=handle.get_slice("loss_mask")[start:end],
-                hidden_states=handle.get_slice("hidden_states")[start:end],
+                hidden_states=hidden,
                 finish_reason=self.finish_reasons[index],
                 thinking=self.thinking[index],
                 flags=tuple(self.quality[index]["flags"]),

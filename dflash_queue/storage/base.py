@@ -35,3 +35,15 @@ class Storage(Protocol):
     def delete(self, key: str) -> None: ...
 
     def size(self, key: str) -> int: ...
+
+
+@runtime_checkable
+class RangeReadable(Protocol):
+    """Optional capability: read part of an object without fetching all of it.
+
+    Readers of training shards use it for random access (the safetensors header, then the byte ranges of one
+    sample); a backend without it is read whole.
+    """
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """Exactly `length` bytes of the object from byte `start`; an error if the object is shorter."""

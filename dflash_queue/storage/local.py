@@ -33,6 +33,28 @@ class LocalStorage:
         except OSError as exc:
             raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise StorageError(f"{self.url}: invalid byte range start={start} length={length} for {key}")
+        try:
+            with open(self.path_of(key), "rb") as handle:
+                data = os.pread(handle.fileno(), length, start)
+                while 0 < len(data) < length:  # one read returns at most ~2 GiB
+                    more = os.pread(handle.fileno(), length - len(data), start + len(data))
+                    if not more:
+                        break
+                    data += more
+                size = os.fstat(handle.fileno()).st_size
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
+        if len(data) != length:
+            raise StorageError(
+                f"{self.url}: {key} holds {size} bytes, fewer than the range [{start}, {start + length}) asked"
+            )
+        return data
+
     def write_bytes(self, key: str, data: bytes) -> None:
         with self._atomic_target(key) as handle:
             handle.write(data)

@@ -89,7 +89,7 @@ def test_truncations_are_retried_once_with_the_larger_budget(make_config):
     config = make_config(
         dataset={"thinking": "never"},
         quality={"on_truncated": "retry", "retry_max_tokens": 40, "on_stub": "flag", "on_repetition": "flag",
-                 "on_retry_failure": "flag"},
+                 "on_empty": "flag", "on_retry_failure": "flag"},
         **{"generate.sampling": {"max_tokens": 4}},
     )
     samples = example_samples("last", "never", 16)

@@ -70,3 +70,21 @@ def test_unknown_scheme_is_a_config_error():
 
 def test_file_url_is_local(tmp_path: Path):
     assert isinstance(open_storage(f"file://{tmp_path}"), LocalStorage)
+
+
+def test_read_range_reads_exactly_the_bytes_asked(tmp_path):
+    from dflash_queue.storage import RangeReadable
+
+    storage = LocalStorage(tmp_path / "root")
+    payload = os.urandom(10_000)
+    storage.write_bytes("shards/r.safetensors", payload)
+    assert isinstance(storage, RangeReadable)
+    assert storage.read_range("shards/r.safetensors", 0, 8) == payload[:8]
+    assert storage.read_range("shards/r.safetensors", 4321, 1000) == payload[4321:5321]
+    assert storage.read_range("shards/r.safetensors", 10_000, 0) == b""
+    with pytest.raises(StorageError, match="fewer than the range \\[9990, 10010\\)"):
+        storage.read_range("shards/r.safetensors", 9990, 20)
+    with pytest.raises(StorageError, match="invalid byte range"):
+        storage.read_range("shards/r.safetensors", -1, 5)
+    with pytest.raises(FileNotFoundError):
+        storage.read_range("shards/missing.safetensors", 0, 1)

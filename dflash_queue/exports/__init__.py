@@ -1,0 +1,15 @@
+"""Exports of training shards to the per-sample layouts of SpecForge and vLLM speculators."""
+
+from dflash_queue.exports.conventions import LayerConventionError, checked_layer_ids, convert_layer_ids
+from dflash_queue.exports.formats import FORMATS, ExportFormat
+from dflash_queue.exports.runner import ExportReport, export_dataset
+
+__all__ = [
+    "FORMATS",
+    "ExportFormat",
+    "ExportReport",
+    "LayerConventionError",
+    "checked_layer_ids",
+    "convert_layer_ids",
+    "export_dataset",
+]

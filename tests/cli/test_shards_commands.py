@@ -1,0 +1,72 @@
+"""`dflash-queue export` and `dflash-queue inspect` as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+from transformers import AutoTokenizer
+
+from dflash_queue.cli import main
+from dflash_queue.shards.training import TrainingShard
+
+
+def shards_of(config) -> list[Path]:
+    return sorted(Path(config.storage.url, "shards").glob("*.safetensors"))
+
+
+def test_inspect_decodes_the_first_tokens_with_the_tokenizer(pipeline_shards, tiny_model):
+    config = pipeline_shards["fp8_e4m3"]
+    path = shards_of(config)[1]
+    result = CliRunner().invoke(main, ["inspect", str(path), "--tokenizer", str(tiny_model), "--sample", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    sample = TrainingShard(path)[1]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    preview = report["preview"]
+    first = sample.input_ids[:32].tolist()
+    assert preview["id"] == sample.id and preview["first_ids"] == first
+    assert preview["first_text"] == tokenizer.decode(first, skip_special_tokens=False)
+    assert preview["first_text"].startswith("<|im_start|>")
+    start = int(torch.nonzero(sample.loss_mask)[0])
+    assert preview["completion_text"] == tokenizer.decode(sample.input_ids[start : start + 32].tolist())
+    assert report["ok"] and report["samples"] == 6 and report["dtype"] == "fp8_e4m3"
+    assert report["layer_ids"] == [1, 2, 3] and report["metadata"]["target_model"] == "tiny-qwen3"
+    assert {c["name"]: c["status"] for c in report["checks"]}["checksum"] == "no record"
+
+    text = CliRunner().invoke(main, ["inspect", str(path), "-c", config.source])
+    assert text.exit_code == 0, text.output
+    assert "first tokens: '<|im_start|>" in text.output and "fp8_e4m3" in text.output
+    assert "completion starts at token" in text.output
+
+
+def test_inspect_fails_on_a_damaged_shard(pipeline_shards, tmp_path):
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(shards_of(pipeline_shards["bfloat16"])[0].read_bytes()[:-10])
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 1
+    assert "FAILED" in result.output and "truncated or padded" in result.output
+
+
+def test_export_command_writes_the_files_and_reports(pipeline_shards, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(pipeline_shards["bfloat16"].storage.url, root)
+    out = tmp_path / "speculators"
+    result = CliRunner().invoke(main, ["export", str(root), "--format", "speculators", str(out), "--finish-reason", "stop"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "export.json").read_text())
+    assert f"exported:    {manifest['num_samples']} samples" in result.output
+    assert "eagle_aux_hidden_state_layer_ids = [2, 3, 4]" in result.output
+    assert len(list(out.glob("hs_*.safetensors"))) == manifest["num_samples"] > 0
+
+    (root / "shards" / "broken.safetensors").write_bytes(b"\x00" * 40)
+    result = CliRunner().invoke(main, ["export", str(root), "-f", "specforge", str(tmp_path / "sf")])
+    assert result.exit_code == 1
+    assert "bad shard:   shards/broken.safetensors:" in result.output
+    assert len(list((tmp_path / "sf").glob("data_*.ckpt"))) == 12  # the good shards are still exported
+
+    result = CliRunner().invoke(main, ["export", str(tmp_path / "nothing"), "-f", "specforge", str(tmp_path / "x")])
+    assert result.exit_code == 1 and "no such shard file or directory" in result.output
