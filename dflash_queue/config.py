@@ -120,6 +120,9 @@ class VllmConfig(_Section):
     # 0: vLLM's default.
     max_num_batched_tokens: Annotated[int, Field(ge=0)] = 0
     enable_prefix_caching: bool = True
+    # Must be false with vLLM's CPU build, which cannot replay a seeded request's sampler after a partial
+    # prefill (the engine would stop with "CPU Generator does not use offset").
+    enable_chunked_prefill: bool = True
     enforce_eager: bool = False
     # vLLM's engine seed. Every request also carries its own seed, derived from generate.sampling.seed and the
     # sample id, so a completion does not depend on which shards shared the engine with it.

@@ -46,12 +46,15 @@ class EventLoopThread:
             raise
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is still running on the loop, stop it, join the thread and close the loop."""
+        """Cancel what is still running on the loop, stop it, join the thread and close the loop.
+
+        Tasks that do not finish within `timeout` after being cancelled are abandoned with the loop.
+        """
         if self.loop.is_closed():
             return
         if self._thread.is_alive():
             try:
-                self.run(_cancel_other_tasks(), timeout=timeout)
+                self.run(_cancel_other_tasks(timeout), timeout=timeout + 5)
             finally:
                 self.loop.call_soon_threadsafe(self.loop.stop)
                 self._thread.join(timeout)
@@ -59,9 +62,10 @@ class EventLoopThread:
             self.loop.close()
 
 
-async def _cancel_other_tasks() -> None:
+async def _cancel_other_tasks(timeout: float) -> None:
     current = asyncio.current_task()
     tasks = [task for task in asyncio.all_tasks() if task is not current]
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout)

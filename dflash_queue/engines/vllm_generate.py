@@ -23,9 +23,13 @@ from typing import Any
 from dflash_queue.config import Config, SamplingConfig
 from dflash_queue.engines.base import Generation, GenerationRequest
 from dflash_queue.engines.loop_thread import EventLoopThread
-from dflash_queue.errors import EngineUnavailable, GenerationRejected
+from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected
 
 log = logging.getLogger(__name__)
+
+# How often a waiting call checks that the engine is still alive, and how long it waits for aborts.
+ENGINE_CHECK_INTERVAL_S = 1.0
+ABORT_WAIT_S = 5.0
 
 
 def engine_args(config: Config) -> dict[str, Any]:
@@ -40,6 +44,7 @@ def engine_args(config: Config) -> dict[str, Any]:
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "max_num_seqs": settings.max_num_seqs,
         "enable_prefix_caching": settings.enable_prefix_caching,
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
         "enforce_eager": settings.enforce_eager,
         "seed": settings.seed,
         "disable_log_stats": settings.log_stats_interval_s == 0,
@@ -77,6 +82,29 @@ def sampling_kwargs(sampling: SamplingConfig, request: GenerationRequest) -> dic
     }
 
 
+def _token_prompt(engine, prompt_ids: list[int]):
+    """An engine input made of exactly these token ids, rendered the way vLLM's own `LLM.generate` does."""
+    from vllm import TokensPrompt
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    parsed = parse_model_prompt(engine.model_config, TokensPrompt(prompt_token_ids=list(prompt_ids)))
+    (rendered,) = engine.renderer.render_cmpl([parsed], engine.renderer.default_cmpl_tok_params)
+    return rendered
+
+
+def check_platform(config: Config) -> None:
+    """Settings the installed vLLM build cannot run with; fails before any engine process starts."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and config.generate.vllm.enable_chunked_prefill:
+        # Every request carries a seed; after a partial prefill vLLM rewinds that request's random generator,
+        # which only CUDA generators support.
+        raise ConfigError(
+            f"{config.source}: generate.vllm.enable_chunked_prefill must be false with vLLM's CPU build "
+            "(it cannot rewind a seeded request's generator after a partial prefill)"
+        )
+
+
 def prepare_environment(config: Config) -> None:
     """Environment vLLM reads at start-up; must run before its engine is created."""
     os.environ.update(config.generate.vllm.env)
@@ -93,12 +121,12 @@ class VllmGenerateEngine:
         self.sampling: SamplingConfig = config.generate.sampling
         self.settings = config.generate.vllm
         prepare_environment(config)
+        check_platform(config)
         # Imported here: vLLM is optional and slow to import; the Transformers engine never needs it.
-        from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+        from vllm import AsyncEngineArgs, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         self._sampling_params = SamplingParams
-        self._tokens_prompt = TokensPrompt
         self._final_only = RequestOutputKind.FINAL_ONLY
         self._request_ids = itertools.count()
         self._stats_task: asyncio.Task | None = None
@@ -132,24 +160,41 @@ class VllmGenerateEngine:
         return self._loop.run(self._generate_all(list(requests)))
 
     async def _generate_all(self, requests: list[GenerationRequest]) -> list[Generation]:
+        engine = self._engine
+        tasks = [asyncio.create_task(self._generate_one(engine, request)) for request in requests]
         try:
-            # A failed request cancels its siblings, which aborts them in the engine.
-            async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._generate_one(request)) for request in requests]
-        except BaseExceptionGroup as failures:
-            raise failures.exceptions[0] from None
-        return [task.result() for task in tasks]
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(
+                    pending, timeout=ENGINE_CHECK_INTERVAL_S, return_when=asyncio.FIRST_EXCEPTION
+                )
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+                # vLLM does not wake every waiter when its engine process dies (a request added at that moment
+                # waits forever), so look at the engine's health instead of trusting every request to end.
+                if pending and engine.errored:
+                    raise EngineUnavailable("the vLLM engine died while generating")
+            return [task.result() for task in tasks]
+        finally:
+            # A failed request takes its siblings down: they are aborted in the engine. A dead engine may never
+            # confirm an abort, so do not wait for that for long.
+            unfinished = [task for task in tasks if not task.done()]
+            for task in unfinished:
+                task.cancel()
+            if unfinished:
+                await asyncio.wait(unfinished, timeout=ABORT_WAIT_S)
 
-    async def _generate_one(self, request: GenerationRequest) -> Generation:
+    async def _generate_one(self, engine, request: GenerationRequest) -> Generation:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
         params = self._sampling_params(**sampling_kwargs(self.sampling, request), output_kind=self._final_only)
-        prompt = self._tokens_prompt(prompt_token_ids=list(request.prompt_ids))
         request_id = f"{request.sample_id}-{next(self._request_ids)}"
         final = None
         try:
-            async for output in self._engine.generate(prompt, params, request_id):
+            prompt = _token_prompt(engine, request.prompt_ids)
+            async for output in engine.generate(prompt, params, request_id):
                 final = output
         except EngineDeadError as exc:
             raise EngineUnavailable(f"the vLLM engine died while generating sample {request.sample_id}") from exc
@@ -180,7 +225,7 @@ class VllmGenerateEngine:
             self._loop.run(self._stop_background(engine))
             engine.shutdown(timeout=self.settings.shutdown_timeout_s)
         finally:
-            self._loop.stop()
+            self._loop.stop(timeout=ABORT_WAIT_S)
 
     async def _stop_background(self, engine) -> None:
         tasks = [task for task in (self._stats_task, getattr(engine, "output_handler", None)) if task is not None]

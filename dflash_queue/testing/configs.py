@@ -59,6 +59,7 @@ def tiny_vllm_overrides(**settings: Any) -> dict[str, dict[str, Any]]:
             "max_model_len": 1024,
             "max_num_seqs": 32,
             "enforce_eager": True,
+            "enable_chunked_prefill": False,  # required by vLLM's CPU build with seeded requests
             "kv_cache_memory_gib": 1.0,
             "inflight_tasks": 2,
             "log_stats_interval_s": 0,

@@ -12,8 +12,14 @@ from dflash_queue.config import load_config
 from dflash_queue.data.samples import Message
 from dflash_queue.engines.base import GenerationRequest
 from dflash_queue.engines.chat import ChatFormatter
-from dflash_queue.engines.vllm_generate import VllmGenerateEngine, engine_args, request_seed, sampling_kwargs
-from dflash_queue.errors import EngineUnavailable, GenerationRejected
+from dflash_queue.engines.vllm_generate import (
+    VllmGenerateEngine,
+    check_platform,
+    engine_args,
+    request_seed,
+    sampling_kwargs,
+)
+from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected
 from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
 from dflash_queue.testing.processes import describe, descendants, survivors
 
@@ -98,6 +104,14 @@ def test_engine_arguments_pass_the_settings_through(vllm_config):
     assert engine_args(follows_model)["dtype"] == "bfloat16"
 
 
+def test_cpu_build_refuses_chunked_prefill_before_starting(vllm_config):
+    settings = vllm_config.generate.vllm.model_dump()
+    chunked = vllm_config.with_overrides(generate={"vllm": {**settings, "enable_chunked_prefill": True}})
+    with pytest.raises(ConfigError, match=r"generate\.vllm\.enable_chunked_prefill must be false"):
+        check_platform(chunked)
+    check_platform(vllm_config)
+
+
 def test_generations_keep_vllms_ids_and_finish_reasons(generations, requests, eos_ids):
     assert [g.sample_id for g in generations] == [r.sample_id for r in requests]
     reasons = set()
@@ -157,6 +171,15 @@ def test_per_request_budgets_are_honoured(engine, requests, generations):
     assert short.finish_reason == "length" and short.completion_ids == first[:5]
     assert len(longer.completion_ids) > MAX_TOKENS
     assert longer.completion_ids[:MAX_TOKENS] == first  # the same seed replays the same start
+
+
+def test_prompts_longer_than_one_step_budget_are_served(engine):
+    # More prompt tokens than one engine step takes: with chunked prefill a prompt would be split across
+    # steps, which vLLM's CPU build cannot do for seeded requests.
+    requests = [GenerationRequest(f"long-{i}", [(7 * i + j) % 1400 + 10 for j in range(700)]) for i in range(8)]
+    generations = engine.generate(requests)
+    assert [g.prompt_ids for g in generations] == [r.prompt_ids for r in requests]
+    assert all(0 < len(g.completion_ids) <= MAX_TOKENS for g in generations)
 
 
 def test_a_refused_request_names_its_sample_and_spares_the_engine(engine, requests, generations):
