@@ -66,6 +66,4 @@ def tiny_vllm_overrides(**settings: Any) -> dict[str, dict[str, Any]]:
             "shutdown_timeout_s": 30,
             **settings,
         },
-        # vLLM's default CPU binding pins its workers to one core each; let torch use the machine.
-        "generate.vllm.env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
     }
