@@ -116,11 +116,58 @@ class SamplingConfig(_Section):
     seed: int = 0
 
 
+EnvName = Annotated[str, Field(pattern=r"^[A-Z_][A-Z0-9_]*$")]
+
+
+class VllmConfig(_Section):
+    """Settings of the vLLM engine (`generate.engine = "vllm"`): engine arguments and how it is fed."""
+
+    tensor_parallel_size: PositiveInt = 1
+    # Empty: model.dtype.
+    dtype: Literal["", "auto", "float32", "bfloat16", "float16"] = ""
+    # 0: the model's own context length.
+    max_model_len: Annotated[int, Field(ge=0)] = 0
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
+    max_num_seqs: PositiveInt = 256
+    # 0: vLLM's default.
+    max_num_batched_tokens: Annotated[int, Field(ge=0)] = 0
+    enable_prefix_caching: bool = True
+    # Must be false with vLLM's CPU build, which cannot replay a seeded request's sampler after a partial
+    # prefill (the engine would stop with "CPU Generator does not use offset").
+    enable_chunked_prefill: bool = True
+    enforce_eager: bool = False
+    # vLLM's engine seed. Every request also carries its own seed, derived from generate.sampling.seed and the
+    # sample id, so a completion does not depend on which shards shared the engine with it.
+    seed: int = 0
+    # KV cache size; 0 lets vLLM size it (from gpu_memory_utilization, or VLLM_CPU_KVCACHE_SPACE on CPU).
+    kv_cache_memory_gib: Annotated[float, Field(ge=0)] = 0.0
+    # Tasks a worker runs at once against its one engine. More than one keeps the engine full while a
+    # shard's slowest sequences finish: the other shards' waiting requests take the freed slots.
+    inflight_tasks: PositiveInt = 3
+    # Seconds between vLLM's throughput log lines; 0 turns them off.
+    log_stats_interval_s: Annotated[float, Field(ge=0)] = 60.0
+    # How long shutdown waits for vLLM's processes to exit before killing them.
+    shutdown_timeout_s: PositiveFloat = 60.0
+    # Environment for vLLM, set before it starts (e.g. VLLM_CPU_OMP_THREADS_BIND = "nobind" on CPU).
+    env: dict[EnvName, str] = Field(default_factory=dict)
+
+
 class GenerateConfig(_Section):
-    engine: Literal["transformers"] = "transformers"
+    engine: Literal["transformers", "vllm"] = "transformers"
     # Sequences per engine call for the Transformers engine.
     batch_size: PositiveInt = 8
     sampling: SamplingConfig = SamplingConfig()
+    vllm: VllmConfig = VllmConfig()
+
+    @model_validator(mode="after")
+    def _budget_fits_context(self) -> GenerateConfig:
+        limit = self.vllm.max_model_len
+        if self.engine == "vllm" and limit and self.sampling.max_tokens >= limit:
+            raise ValueError(
+                f"generate.sampling.max_tokens ({self.sampling.max_tokens}) must be below "
+                f"generate.vllm.max_model_len ({limit}), which also holds the prompt"
+            )
+        return self
 
 
 class ExtractConfig(_Section):

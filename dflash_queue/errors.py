@@ -23,3 +23,11 @@ class ShardFormatError(PermanentError):
 
 class StorageError(DflashQueueError):
     """A storage operation failed; may be transient."""
+
+
+class GenerationRejected(PermanentError):
+    """The engine refused a request (a prompt longer than the context, say); retrying cannot help."""
+
+
+class EngineUnavailable(DflashQueueError):
+    """The worker's resident engine has died; the worker must restart before it takes more tasks."""

@@ -60,6 +60,18 @@ def test_config_objects_are_frozen(tmp_path, model_dir):
          "must exceed generate.sampling.max_tokens (200)"),
         ({"dataset": {"max_model_len": 1024}, "generate.sampling": {"max_tokens": 2048}}, "dataset.max_model_len",
          "leaves no room for a prompt"),
+        ({"generate": {"engine": "sglang"}}, "generate.engine", "'transformers' or 'vllm'"),
+        ({"generate.vllm": {"tensor_parallel": 2}}, "generate.vllm.tensor_parallel", "unknown key"),
+        ({"generate.vllm": {"gpu_memory_utilization": 1.5}}, "generate.vllm.gpu_memory_utilization", "less than or equal"),
+        ({"generate.vllm": {"inflight_tasks": 0}}, "generate.vllm.inflight_tasks", "greater than 0"),
+        ({"generate.vllm": {"enforce_eager": "yes"}}, "generate.vllm.enforce_eager", "valid boolean"),
+        ({"generate.vllm.env": {"vllm-cpu-threads": "1"}}, "generate.vllm.env.vllm-cpu-threads.[key]", "pattern"),
+        ({"generate.vllm.env": {"VLLM_CPU_KVCACHE_SPACE": 4}}, "generate.vllm.env.VLLM_CPU_KVCACHE_SPACE", "string"),
+        (
+            {"generate": {"engine": "vllm"}, "generate.vllm": {"max_model_len": 2048}},
+            "generate",
+            "generate.sampling.max_tokens (4096) must be below generate.vllm.max_model_len (2048)",
+        ),
     ],
 )
 def test_bad_values_name_file_and_key(tmp_path, model_dir, tables, key, words):
@@ -70,6 +82,22 @@ def test_bad_values_name_file_and_key(tmp_path, model_dir, tables, key, words):
     assert str(path) in message
     assert f"  {key}: " in message
     assert words in message
+
+
+def test_vllm_section_loads_with_its_environment_table(tmp_path, model_dir):
+    tables = {
+        **base(model_dir),
+        "generate": {"engine": "vllm"},
+        "generate.vllm": {"tensor_parallel_size": 2, "max_model_len": 8192, "kv_cache_memory_gib": 2.5},
+        "generate.vllm.env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+    }
+    settings = load_config(write(tmp_path, tables), env={}).generate.vllm
+    assert (settings.tensor_parallel_size, settings.max_model_len, settings.kv_cache_memory_gib) == (2, 8192, 2.5)
+    assert settings.env == {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert settings.inflight_tasks == 3 and settings.dtype == "" and settings.enable_prefix_caching is True
+    # The Transformers engine ignores the section, so its limits do not apply there.
+    transformers = {**tables, "generate": {"engine": "transformers"}, "generate.vllm": {"max_model_len": 16}}
+    assert load_config(write(tmp_path, transformers), env={}).generate.engine == "transformers"
 
 
 def test_missing_model_path_fails_at_load(tmp_path):

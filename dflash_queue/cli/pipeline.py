@@ -44,14 +44,19 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
 @click.command()
 @click.argument("lane", type=click.Choice(["generate", "extract"]))
 @config_option
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Tasks in flight.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tasks in flight [default: generate.vllm.inflight_tasks for the vLLM engine, else 1].",
+)
 @click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
 @click.option(
     "--gpus", default=None, help="GPUs of this worker: 0, or 0-1 for a tensor-parallel group (CUDA_VISIBLE_DEVICES)."
 )
 def worker(
-    lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str, gpus: str | None
+    lane: str, config_path: Path, concurrency: int | None, hostname: str | None, loglevel: str, gpus: str | None
 ) -> None:
     """Run a LANE worker: load the engine once, then consume the lane's queue until stopped (SIGTERM)."""
     if gpus is not None:
@@ -67,7 +72,7 @@ def worker(
     config = load(config_path)
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
-    run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
+    sys.exit(run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel))
 
 
 @click.command()

@@ -99,4 +99,8 @@ def build_generate_engine(config: Config) -> GenerateEngine:
         from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 
         return TransformersGenerateEngine(config)
+    if config.generate.engine == "vllm":
+        from dflash_queue.engines.vllm_generate import VllmGenerateEngine
+
+        return VllmGenerateEngine(config)
     raise ValueError(f"unknown generate engine {config.generate.engine!r}")

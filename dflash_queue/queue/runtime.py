@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,12 +18,21 @@ class WorkerRuntime:
     fingerprint: str
     ledger: Ledger
     lanes: dict[str, Any]
+    # Set when the worker must stop because it cannot serve more tasks (its engine died).
+    stop_reason: str | None = None
 
     def lane(self, name: str) -> Any:
         try:
             return self.lanes[name]
         except KeyError:
             raise RuntimeError(f"this worker does not serve the {name!r} lane (serves {sorted(self.lanes)})") from None
+
+    def request_stop(self, reason: str) -> None:
+        """Warm-stop this worker process (as SIGTERM does) and make it exit with a failure code."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            logging.getLogger(__name__).critical("stopping this worker: %s", reason)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def close(self) -> None:
         for lane in self.lanes.values():

@@ -6,10 +6,11 @@ Messages carry references only: a shard id, its sample count and the config fing
 from __future__ import annotations
 
 from celery import Task
+from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
 
 from dflash_queue import ledger as states
-from dflash_queue.errors import FingerprintMismatch
+from dflash_queue.errors import EngineUnavailable, FingerprintMismatch
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
@@ -29,7 +30,18 @@ def _check_fingerprint(rt: runtime.WorkerRuntime, fingerprint: str, shard_id: st
 
 
 class LaneTask(Task):
-    """Records a failed shard in the ledger so that runs and operators see it instead of waiting forever."""
+    """Records a failed shard in the ledger so that runs and operators see it instead of waiting forever.
+
+    A dead engine is not the shard's fault: the message goes back to the queue for a healthy worker, and this
+    worker stops instead of failing every task it would take next.
+    """
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return super().__call__(*args, **kwargs)
+        except EngineUnavailable as exc:
+            runtime.current().request_stop(f"{type(exc).__name__}: {exc}")
+            raise Reject(str(exc), requeue=True) from exc
 
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
         shard_id = args[0] if args else kwargs.get("shard_id", "?")

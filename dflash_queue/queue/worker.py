@@ -1,10 +1,24 @@
 """Starting a lane worker: load the engine once, then hand the process to Celery.
 
-Pool choice: the threads pool. Tasks run in a thread of this process, so
-  * the engine is loaded once in the process that runs the tasks (no fork after CUDA is initialised);
-  * engines that start processes of their own (vLLM) are not inside a daemonic prefork child;
+Pool choice: the threads pool. Tasks run in threads of this one process, so
+  * nothing forks after an engine is loaded: the threads pool never forks, and the engine is loaded here, in
+    the process that runs the tasks, before Celery starts consuming (a prefork child would inherit a CUDA
+    context it cannot use);
+  * engines that start processes of their own are not inside a daemonic prefork child (daemonic processes
+    may not have children). vLLM starts its engine core and GPU workers from this process, with the spawn
+    method (see engines/vllm_generate.py), so they are children of a plain process;
   * the main thread stays free for broker heartbeats and events while a long batch runs (the solo pool
-    would block them and Flower would show the worker offline).
+    would block them and Flower would show the worker offline); task threads wait on the engine with the
+    GIL released;
+  * several tasks can share one resident engine: the vLLM lane runs `generate.vllm.inflight_tasks` tasks at
+    once against one async engine, so a new shard starts decoding while the previous shard's tail finishes.
+    With `worker_prefetch_multiplier = 1` and late acks the worker holds exactly as many messages as it runs.
+
+Shutdown: SIGTERM is Celery's warm shutdown. The worker stops consuming, tasks in flight finish (their
+messages are acked only then); messages it held but had not started go back to the queue. Then
+`worker_shutdown` releases the engines: vLLM's processes are told to exit and are killed if they outlive
+`generate.vllm.shutdown_timeout_s`, so none outlives the worker. A worker whose engine died stops the same
+way, hands its tasks back to the queue and exits with a failure code (see `LaneTask`).
 """
 
 from __future__ import annotations
@@ -35,15 +49,44 @@ def build_lane(config: Config, lane: str):
     raise ValueError(f"unknown lane {lane!r}; expected one of {sorted(LANES)}")
 
 
+def lane_concurrency(config: Config, lane: str) -> int:
+    """Tasks a lane worker runs at once unless told otherwise."""
+    if lane == "generate" and config.generate.engine == "vllm":
+        return config.generate.vllm.inflight_tasks
+    return 1
+
+
+def _warn_if_engine_can_drain(config: Config, lane: str, concurrency: int) -> None:
+    if lane != "generate" or config.generate.engine != "vllm":
+        return
+    waiting = (concurrency - 1) * config.dataset.shard_size
+    if waiting < config.generate.vllm.max_num_seqs:
+        log.warning(
+            "with %d tasks in flight of %d samples each, the other tasks hold %d requests while one task "
+            "finishes, fewer than generate.vllm.max_num_seqs (%d): the engine will run part-empty at task "
+            "boundaries; raise generate.vllm.inflight_tasks or dataset.shard_size",
+            concurrency,
+            config.dataset.shard_size,
+            waiting,
+            config.generate.vllm.max_num_seqs,
+        )
+
+
+EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the worker
+
+
 def run_worker(
     config: Config,
     lane: str,
     *,
-    concurrency: int = 1,
+    concurrency: int | None = None,
     hostname: str | None = None,
     loglevel: str = "INFO",
-) -> None:
+) -> int:
+    """Run a lane worker until it is stopped; returns the process exit code."""
     app = configure_app(config)
+    concurrency = concurrency or lane_concurrency(config, lane)
+    _warn_if_engine_can_drain(config, lane, concurrency)
     log.info("loading the %s engine for %s", lane, config.model.display_name)
     rt = runtime.WorkerRuntime(
         config=config,
@@ -54,7 +97,7 @@ def run_worker(
     runtime.install(rt)
     signals.worker_shutdown.connect(_release_engine, weak=False)
     node = hostname or f"{lane}-{config.run.name}@{socket.gethostname()}"
-    app.worker_main(
+    code = app.start(
         [
             "worker",
             f"--queues={LANES[lane]}",
@@ -67,6 +110,10 @@ def run_worker(
             "--without-gossip",
         ]
     )
+    if rt.stop_reason is not None:
+        log.error("worker stopped: %s", rt.stop_reason)
+        return EXIT_ENGINE_LOST
+    return code or 0
 
 
 def _release_engine(**_kwargs) -> None:

@@ -49,3 +49,21 @@ def write_config(path: Path, tables: dict[str, dict[str, Any]], **overrides: dic
     path.write_text(to_toml(merged))
     return path
 
+
+def tiny_vllm_overrides(**settings: Any) -> dict[str, dict[str, Any]]:
+    """Overrides that switch a tiny config to the vLLM engine on a CPU (vLLM's CPU build)."""
+    return {
+        "generate": {"engine": "vllm"},
+        "generate.vllm": {
+            "dtype": "float32",
+            "max_model_len": 1024,
+            "max_num_seqs": 32,
+            "enforce_eager": True,
+            "enable_chunked_prefill": False,  # required by vLLM's CPU build with seeded requests
+            "kv_cache_memory_gib": 1.0,
+            "inflight_tasks": 2,
+            "log_stats_interval_s": 0,
+            "shutdown_timeout_s": 30,
+            **settings,
+        },
+    }
