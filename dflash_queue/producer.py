@@ -74,7 +74,7 @@ class Producer:
     def __init__(self, config: Config, ledger: Ledger, storage: Storage | None = None) -> None:
         self.config = config
         self.ledger = ledger
-        self.storage = storage or open_storage(config.storage.url)
+        self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
 
     def enqueue(

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_queue.cli.common import config_option, load
-from dflash_queue.errors import ConfigError
+from dflash_queue.errors import ConfigError, DflashQueueError
 
 datasets_argument = click.argument(
     "datasets", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -43,17 +43,26 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
 @click.command()
 @click.argument("lane", type=click.Choice(["generate", "extract"]))
 @config_option
-@click.option("--concurrency", type=click.IntRange(min=1), default=1, show_default=True, help="Tasks in flight.")
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Task slots (threads). Default: 1 for generate; 1 + storage.uploader.max_pending for extract, so that "
+    "uploads overlap the next shard's compute.",
+)
 @click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
-def worker(lane: str, config_path: Path, concurrency: int, hostname: str | None, loglevel: str) -> None:
+def worker(lane: str, config_path: Path, concurrency: int | None, hostname: str | None, loglevel: str) -> None:
     """Run a LANE worker: load the engine once, then consume the lane's queue until stopped (SIGTERM)."""
     from dflash_queue.queue.worker import run_worker
 
     config = load(config_path)
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
-    run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
+    try:
+        run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
+    except DflashQueueError as exc:  # storage check failed, bad storage settings: say why and exit non-zero
+        raise click.ClickException(str(exc)) from None
 
 
 @click.command()

@@ -51,7 +51,7 @@ class GenerateLane:
     def __init__(self, config: Config, engine: GenerateEngine, storage: Storage | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.storage = storage or open_storage(config.storage.url)
+        self.storage = storage or open_storage(config.storage)
         self.formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
 
     def run(self, shard_id: str) -> GenerateSummary:

@@ -15,6 +15,8 @@ class WorkerRuntime:
     fingerprint: str
     ledger: Ledger
     lanes: dict[str, Any]
+    # The worker's storage, shared by its lanes; closed after them.
+    storage: Any = None
 
     def lane(self, name: str) -> Any:
         try:
@@ -22,10 +24,20 @@ class WorkerRuntime:
         except KeyError:
             raise RuntimeError(f"this worker does not serve the {name!r} lane (serves {sorted(self.lanes)})") from None
 
+    def begin_shutdown(self) -> None:
+        """Warm shutdown began: lanes stop taking up new work (running work finishes)."""
+        for lane in self.lanes.values():
+            begin = getattr(lane, "begin_shutdown", None)
+            if begin is not None:
+                begin()
+
     def close(self) -> None:
         for lane in self.lanes.values():
             lane.close()
         self.lanes.clear()
+        close_storage = getattr(self.storage, "close", None)
+        if close_storage is not None:
+            close_storage()
 
 
 _current: WorkerRuntime | None = None
