@@ -36,7 +36,9 @@ def first_lines(path: Path, count: int, out: Path) -> Path:
     return out
 
 
-def test_job_on_s3_stores_verified_multipart_shards(make_config, s3_server, s3_bucket, redis_url, start_worker, tmp_path, tiny_model):
+def test_job_on_s3_stores_verified_multipart_shards(
+    make_config, s3_server, s3_bucket, redis_url, start_worker, tmp_path, tiny_model
+):
     config = make_config(
         storage={"url": f"s3://{s3_bucket}/e2e"},
         **{
@@ -67,7 +69,8 @@ def test_job_on_s3_stores_verified_multipart_shards(make_config, s3_server, s3_b
         multipart = "-" in head["ETag"]  # a multipart upload's ETag ends in -{number of parts}
         assert multipart == (head["ContentLength"] >= 5 * MiB), head
         sizes[head["ContentLength"]] = multipart
-        completions = {c.id: c for c in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)}
+        stored = storage.read_bytes(completions_key(shard_id))
+        completions = {c.id: c for c in decode_completions(stored, what=shard_id)}
         with storage.local_copy(shard_key(shard_id)) as path:
             shard = TrainingShard(path)
             assert len(shard) in (24, 8)

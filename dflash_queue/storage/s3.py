@@ -32,7 +32,7 @@ from botocore.exceptions import ClientError
 
 import dflash_queue
 from dflash_queue.config import S3Config
-from dflash_queue.errors import ChecksumMismatch, StorageError
+from dflash_queue.errors import ChecksumMismatch, ConfigError, StorageError
 from dflash_queue.storage.checks import FAIL, OK, WARN, CheckResult
 from dflash_queue.storage.s3_errors import CREDENTIALS_HINT, error_code, translate
 from dflash_queue.storage.urls import parse_s3_url
@@ -46,6 +46,14 @@ MiB = 1024 * 1024
 def file_sha256(path: Path) -> str:
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _has_crt() -> bool:
+    try:
+        import awscrt  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def client_config(settings: S3Config) -> BotoConfig:
@@ -82,6 +90,11 @@ class S3Storage:
         location = parse_s3_url(url)
         self.bucket, self.prefix, self.url = location.bucket, location.prefix, location.url
         self.settings = settings or S3Config()
+        if self.settings.checksum_algorithm == "CRC32C" and not _has_crt():
+            raise ConfigError(
+                "storage.s3.checksum_algorithm: CRC32C needs the awscrt package (pip install 'botocore[crt]'); "
+                "or use CRC32, SHA1 or SHA256"
+            )
         try:
             self.session = boto3.session.Session(profile_name=self.settings.profile or None)
             self.client = self.session.client(

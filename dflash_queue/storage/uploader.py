@@ -87,7 +87,9 @@ def remove_abandoned_staging(root: Path) -> list[Path]:
 
 
 class ShardUploader:
-    def __init__(self, storage: Storage, staging_root: Path, *, max_pending: int = 2, parallel_uploads: int = 2) -> None:
+    def __init__(
+        self, storage: Storage, staging_root: Path, *, max_pending: int = 2, parallel_uploads: int = 2
+    ) -> None:
         if not 1 <= parallel_uploads <= max_pending:
             raise ValueError(f"need 1 <= parallel_uploads ({parallel_uploads}) <= max_pending ({max_pending})")
         self.storage = storage

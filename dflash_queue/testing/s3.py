@@ -72,3 +72,49 @@ class LoopbackS3:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+class LoopbackS3Process:
+    """The same endpoint in its own process (`python -m moto.server`): for benchmarks, where a server sharing
+    the client's interpreter would compete with it for the GIL. Its objects live and die with the process."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.process = None
+
+    def start(self, timeout: float = 60.0) -> LoopbackS3Process:
+        import subprocess
+        import sys
+        import time
+
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return self
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto server did not start on port {self.port}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+        self.process = None
+
+    client = LoopbackS3.client
+    create_bucket = LoopbackS3.create_bucket
+
+    def __enter__(self) -> LoopbackS3Process:
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

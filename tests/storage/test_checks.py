@@ -37,7 +37,8 @@ def test_missing_bucket_fails_at_the_bucket_check(s3_server, s3_env):
     assert table["bucket"][0] == FAIL
     assert "'bucket-that-is-not-there' does not exist" in table["bucket"][1]
     assert [table[name][0] for name in ("write", "read", "list", "delete")] == [SKIP] * 4
-    with pytest.raises(StorageCheckFailed, match=r"(?s)storage check failed for s3://bucket-that-is-not-there/run/.*bucket +FAIL"):
+    expected = r"(?s)storage check failed for s3://bucket-that-is-not-there/run/.*bucket +FAIL"
+    with pytest.raises(StorageCheckFailed, match=expected):
         require_storage(s3(s3_server, "bucket-that-is-not-there"))
 
 

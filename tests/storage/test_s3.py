@@ -47,7 +47,8 @@ def test_open_storage_picks_s3_with_the_configured_settings(s3_server, s3_bucket
     config = StorageConfig(url=f"s3://{s3_bucket}/deep/prefix/", s3=S3Config(endpoint_url=s3_server.endpoint_url))
     storage = open_storage(config)
     assert isinstance(storage, S3Storage)
-    assert (storage.bucket, storage.prefix, storage.url) == (s3_bucket, "deep/prefix/", f"s3://{s3_bucket}/deep/prefix/")
+    assert (storage.bucket, storage.prefix) == (s3_bucket, "deep/prefix/")
+    assert storage.url == f"s3://{s3_bucket}/deep/prefix/"
     storage.write_bytes("k.txt", b"x")
     assert [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"]] == ["deep/prefix/k.txt"]
 
@@ -218,3 +219,15 @@ def test_local_copy_path_is_removed_afterwards(s3_server, s3_bucket):
         assert path.read_bytes() == b"abc"
         kept: Path = path
     assert not kept.exists()
+
+
+def test_crc32c_needs_the_crt_package(s3_server, s3_bucket):
+    try:
+        import awscrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="CRC32C needs the awscrt package"):
+            make_storage(s3_server, s3_bucket, checksum_algorithm="CRC32C")
+    else:
+        storage = make_storage(s3_server, s3_bucket, checksum_algorithm="CRC32C")
+        storage.write_bytes("k", b"crc32c")
+        assert "ChecksumCRC32C" in s3_server.client().head_object(Bucket=s3_bucket, Key="run/k", ChecksumMode="ENABLED")
