@@ -9,13 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_queue.errors import ConfigError
+from dflash_queue.storage.urls import check_storage_url
 
 BROKER_URL_ENV = "DFQ_BROKER_URL"
 STORAGE_URL_ENV = "DFQ_STORAGE_URL"
@@ -64,9 +66,78 @@ class BrokerConfig(_Section):
         return self
 
 
+class S3Config(_Section):
+    """How to reach an S3-compatible store. Credentials never live here: they come from the AWS chain
+    (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN, a profile, an instance or pod role)."""
+
+    # Empty: the AWS chain decides (AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile; else AWS itself).
+    endpoint_url: str = ""
+    # Empty: AWS_REGION / AWS_DEFAULT_REGION / the profile.
+    region: str = ""
+    # A profile name in ~/.aws/config; empty: AWS_PROFILE or the default chain.
+    profile: str = ""
+    # MinIO and Ceph usually need "path"; "auto" lets botocore (and the profile) choose.
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    # The S3 checksum sent with every upload (checked by the store) and checked by botocore on whole-object
+    # reads. "none" for stores that reject checksum headers. A sha256 of the content is stored in the object's
+    # metadata and verified on every read whatever this says.
+    checksum_algorithm: Literal["CRC32", "CRC32C", "SHA1", "SHA256", "none"] = "CRC32"
+    # botocore retries throttling, 5xx and connection errors with backoff; "adaptive" also rate-limits the client.
+    retry_mode: Literal["standard", "adaptive"] = "standard"
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 10
+    connect_timeout_s: PositiveFloat = 10.0
+    read_timeout_s: PositiveFloat = 120.0
+    # Objects at least this large are uploaded in parts of part_size_mb (S3's minimum part is 5 MiB).
+    multipart_threshold_mb: Annotated[int, Field(ge=5, le=5120)] = 64
+    part_size_mb: Annotated[int, Field(ge=5, le=5120)] = 64
+    # Part uploads (and ranged downloads) in flight per worker process, over all shards.
+    max_concurrency: Annotated[int, Field(ge=1, le=256)] = 10
+    # At worker start-up, incomplete multipart uploads under the prefix older than this are aborted (left by
+    # killed workers; S3 bills their parts). 0 disables. Keep it longer than any single upload takes.
+    abort_stale_uploads_after_s: Annotated[int, Field(ge=0)] = 24 * 3600
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_http(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError(f"must start with http:// or https://, got {value!r}")
+        return value
+
+
+class UploaderConfig(_Section):
+    """The extract lane's background uploader: finished shards wait in a local staging directory."""
+
+    # Empty: {run.state_dir}/staging. Use a local disk with room for max_pending shards.
+    staging_dir: str = ""
+    # Shards finished by the engine but not yet stored, per worker process. When reached, the next finished
+    # shard waits (back-pressure) instead of filling the disk. The extract worker runs 1 + max_pending task
+    # slots by default: one computing, the others waiting for their shard's upload.
+    max_pending: Annotated[int, Field(ge=1, le=64)] = 2
+    # Shards uploading at once (each in parallel parts, see storage.s3.max_concurrency).
+    parallel_uploads: Annotated[int, Field(ge=1, le=64)] = 2
+
+    @model_validator(mode="after")
+    def _parallel_within_pending(self) -> UploaderConfig:
+        if self.parallel_uploads > self.max_pending:
+            raise ValueError(
+                f"parallel_uploads ({self.parallel_uploads}) cannot exceed max_pending ({self.max_pending})"
+            )
+        return self
+
+
 class StorageConfig(_Section):
-    # A local directory (relative paths resolve against the config file) or s3://bucket/prefix.
+    # A local directory (relative paths resolve against the config file), file:///path or s3://bucket/prefix.
     url: Annotated[str, Field(min_length=1)]
+    # A task whose storage is unreachable (after botocore's own retries) is retried this many times, with
+    # backoff up to two minutes, before its shard is marked failed.
+    unavailable_task_retries: Annotated[int, Field(ge=0)] = 30
+    s3: S3Config = S3Config()
+    uploader: UploaderConfig = UploaderConfig()
+
+    @field_validator("url")
+    @classmethod
+    def _url_is_usable(cls, value: str) -> str:
+        return check_storage_url(value)
 
 
 class ModelConfig(_Section):
@@ -248,6 +319,11 @@ class Config(_Section):
     # Where the config came from; not a TOML key.
     source: str = Field(default="<memory>", exclude=True)
 
+    @property
+    def staging_dir(self) -> Path:
+        """Where the extract lane stages finished shards before they are stored."""
+        return Path(self.storage.uploader.staging_dir or Path(self.run.state_dir) / "staging")
+
     def fingerprint(self) -> str:
         """A short hash of everything that changes what a task writes.
 
@@ -349,9 +425,36 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     resolve("storage", "url", url=True)
     resolve("run", "state_dir")
     resolve("flower", "db")
+    storage = raw.get("storage")
+    uploader = storage.get("uploader") if isinstance(storage, dict) else None
+    if isinstance(uploader, dict) and isinstance(uploader.get("staging_dir"), str) and uploader["staging_dir"]:
+        uploader["staging_dir"] = str((base / Path(uploader["staging_dir"]).expanduser()).resolve())
+
+
+# Keys that look like secrets. Credentials come from the AWS chain only, never from a file that is copied to
+# every node and checked into repositories.
+_CREDENTIAL_KEY = re.compile(r"access_key|secret|session_token|password|credential|api_key", re.IGNORECASE)
+
+
+def _reject_credentials(raw: dict[str, Any], source: str) -> None:
+    def walk(table: Any, path: str) -> None:
+        if not isinstance(table, dict):
+            return
+        for key, value in table.items():
+            dotted = f"{path}.{key}"
+            if _CREDENTIAL_KEY.search(str(key)):
+                raise ConfigError(
+                    f"{source}: invalid configuration\n  {dotted}: credentials are never read from the config "
+                    "file; use the AWS chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) in "
+                    "the environment, a profile (AWS_PROFILE or storage.s3.profile), or an instance/pod role"
+                )
+            walk(value, dotted)
+
+    walk(raw.get("storage"), "storage")
 
 
 def _validate(raw: dict[str, Any], source: str, *, check_paths: bool) -> Config:
+    _reject_credentials(raw, source)
     try:
         config = Config.model_validate({**raw, "source": source})
     except ValidationError as exc:

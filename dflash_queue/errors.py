@@ -31,3 +31,23 @@ class GenerationRejected(PermanentError):
 
 class EngineUnavailable(DflashQueueError):
     """The worker's resident engine has died; the worker must restart before it takes more tasks."""
+
+
+class StorageUnavailable(StorageError):
+    """The store did not answer or answered 5xx/throttling after the client's own retries: try again later."""
+
+
+class StorageAccessError(StorageError, PermanentError):
+    """The store refuses the request for good: no such bucket, access denied, no or wrong credentials."""
+
+
+class ChecksumMismatch(StorageError, PermanentError):
+    """An object's content does not match the checksum stored with it: the object is corrupt."""
+
+
+class StorageCheckFailed(PermanentError):
+    """The storage self-check at worker start-up failed; the message lists each check."""
+
+
+class WorkerShuttingDown(DflashQueueError):
+    """The worker is stopping before this task started its work: the task goes back to the queue."""

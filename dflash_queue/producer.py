@@ -154,7 +154,7 @@ class Producer:
     ) -> None:
         self.config = config
         self.ledger = ledger
-        self.storage = storage or open_storage(config.storage.url)
+        self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
         self.length_filter = build_length_filter(config) if length_filter is True else length_filter or None
 

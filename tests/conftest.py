@@ -1,8 +1,10 @@
-"""Session-wide real parts: a redis-server on a free port and the tiny Qwen3 model built locally."""
+"""Session-wide real parts: a redis-server on a free port, the tiny Qwen3 model built locally, and an
+S3-compatible endpoint (moto's threaded server) on loopback."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
 from dflash_queue.testing.configs import tiny_config_tables, write_config
+from dflash_queue.testing.s3 import TEST_CREDENTIALS, LoopbackS3
 from dflash_queue.testing.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,3 +93,42 @@ def pipeline_shards(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
     return produce_training_shards(
         tiny_model, tmp_path_factory.mktemp("pipeline-shards"), hidden_dtypes=("float32", "bfloat16", "fp8_e4m3")
     )
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[LoopbackS3]:
+    server = LoopbackS3().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """AWS environment for the loopback endpoint: fake credentials, nothing from this machine's ~/.aws or an
+    instance role. Worker subprocesses started afterwards inherit it."""
+    for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    env = {
+        **TEST_CREDENTIALS,
+        "AWS_CONFIG_FILE": str(tmp_path / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "no-aws-credentials"),
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env
+
+
+@pytest.fixture
+def s3_bucket(s3_server: LoopbackS3, s3_env: dict[str, str]) -> str:
+    """A fresh bucket on the session's loopback endpoint."""
+    return s3_server.create_bucket(f"dfq-test-{uuid.uuid4().hex[:12]}")
+
+
+@pytest.fixture
+def s3_tables(s3_server: LoopbackS3, s3_bucket: str) -> dict[str, dict]:
+    """Config overrides that put a test's storage in its own bucket on the loopback endpoint."""
+    return {
+        "storage": {"url": f"s3://{s3_bucket}/run"},
+        "storage.s3": {"endpoint_url": s3_server.endpoint_url, "max_attempts": 3, "connect_timeout_s": 2.0},
+    }

@@ -173,3 +173,78 @@ def test_max_model_len_comes_from_the_model_unless_set(tmp_path, model_dir):
     assert config.retry_max_tokens == 2 * config.generate.sampling.max_tokens
     explicit = load_config(write(tmp_path, {**base(model_dir), "dataset": {"max_model_len": 8192}}), env={})
     assert explicit.max_model_len() == 8192
+
+
+# -- [storage], [storage.s3], [storage.uploader] --------------------------------------------------------------
+
+
+def test_s3_storage_settings_load_with_defaults(tmp_path, model_dir):
+    tables = {
+        **base(model_dir),
+        "storage": {"url": "s3://training-data/qwen3-27b/run-1"},
+        "storage.s3": {"endpoint_url": "https://minio.internal:9000", "addressing_style": "path", "part_size_mb": 128},
+        "storage.uploader": {"staging_dir": "staging", "max_pending": 4},
+    }
+    config = load_config(write(tmp_path, tables), env={})
+    assert config.storage.url == "s3://training-data/qwen3-27b/run-1"  # URLs are not resolved as paths
+    assert config.storage.s3.part_size_mb == 128 and config.storage.s3.checksum_algorithm == "CRC32"
+    assert config.storage.s3.retry_mode == "standard" and config.storage.s3.max_attempts == 10
+    assert config.staging_dir == tmp_path / "staging"  # relative to the config file
+    assert config.storage.uploader.parallel_uploads == 2
+
+
+def test_staging_defaults_to_the_state_directory(tmp_path, model_dir):
+    config = load_config(write(tmp_path, {**base(model_dir), "run": {"state_dir": "state"}}), env={})
+    assert config.staging_dir == tmp_path / "state" / "staging"
+
+
+def test_storage_url_from_the_environment_may_be_s3(tmp_path, model_dir):
+    config = load_config(write(tmp_path, base(model_dir)), env={STORAGE_URL_ENV: "s3://bucket-a/x"})
+    assert config.storage.url == "s3://bucket-a/x"
+
+
+@pytest.mark.parametrize(
+    "tables, key, words",
+    [
+        ({"storage": {"url": "gs://bucket/x"}}, "storage.url", "unsupported scheme 'gs'"),
+        ({"storage": {"url": "s3://Not_A_Bucket/x"}}, "storage.url", "invalid bucket name"),
+        ({"storage": {"url": "s3://bucket-a/x?versionId=1"}}, "storage.url", "no query"),
+        ({"storage.s3": {"part_size_mb": 4}}, "storage.s3.part_size_mb", "greater than or equal to 5"),
+        ({"storage.s3": {"addressing_style": "dns"}}, "storage.s3.addressing_style", "'auto', 'path' or 'virtual'"),
+        ({"storage.s3": {"endpoint_url": "minio:9000"}}, "storage.s3.endpoint_url", "http:// or https://"),
+        ({"storage.s3": {"checksum_algorithm": "MD5"}}, "storage.s3.checksum_algorithm", "CRC32"),
+        ({"storage.s3": {"retry_mode": "legacy"}}, "storage.s3.retry_mode", "'standard' or 'adaptive'"),
+        ({"storage.s3": {"max_attempts": 0}}, "storage.s3.max_attempts", "greater than or equal to 1"),
+        ({"storage.s3": {"bucket": "x"}}, "storage.s3.bucket", "unknown key"),
+        ({"storage.uploader": {"max_pending": 1, "parallel_uploads": 2}}, "storage.uploader", "cannot exceed"),
+        ({"storage.uploader": {"max_pending": 0}}, "storage.uploader.max_pending", "greater than or equal to 1"),
+    ],
+)
+def test_bad_storage_settings_name_file_and_key(tmp_path, model_dir, tables, key, words):
+    merged = {**base(model_dir), **tables}
+    merged["storage"] = {**base(model_dir)["storage"], **tables.get("storage", {})}
+    path = write(tmp_path, merged)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert str(path) in message and f"  {key}: " in message and words in message, message
+
+
+@pytest.mark.parametrize(
+    "table, key",
+    [
+        ("storage.s3", "aws_secret_access_key"),
+        ("storage.s3", "aws_access_key_id"),
+        ("storage.s3", "session_token"),
+        ("storage", "secret_key"),
+        ("storage.s3", "credentials"),
+    ],
+)
+def test_credentials_in_the_config_file_are_refused(tmp_path, model_dir, table, key):
+    tables = {**base(model_dir), table: {**(base(model_dir)["storage"] if table == "storage" else {}), key: "x"}}
+    path = write(tmp_path, tables)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    message = str(info.value)
+    assert str(path) in message and f"  {table}.{key}: credentials are never read from the config file" in message
+    assert "AWS_ACCESS_KEY_ID" in message and "profile" in message

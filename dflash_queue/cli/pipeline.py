@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_queue.cli.common import config_option, load
-from dflash_queue.errors import ConfigError
+from dflash_queue.errors import ConfigError, DflashQueueError
 
 datasets_argument = click.argument(
     "datasets", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -48,7 +48,8 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
     "--concurrency",
     type=click.IntRange(min=1),
     default=None,
-    help="Tasks in flight [default: generate.vllm.inflight_tasks for the vLLM engine, else 1].",
+    help="Task slots (threads). Default: generate.vllm.inflight_tasks for the vLLM engine, 1 for the Transformers "
+    "engine; 1 + storage.uploader.max_pending for extract, so that uploads overlap the next shard's compute.",
 )
 @click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
@@ -72,7 +73,11 @@ def worker(
     config = load(config_path)
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
-    sys.exit(run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel))
+    try:
+        code = run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
+    except DflashQueueError as exc:  # storage check failed, bad storage settings: say why and exit non-zero
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
 
 
 @click.command()

@@ -1,10 +1,20 @@
-"""Extract lane: completions shard in, training shard out (hidden states at the configured layers)."""
+"""Extract lane: completions shard in, training shard out (hidden states at the configured layers).
+
+Keeping the engine busy while shards are stored: the extract worker runs its tasks in Celery's threads pool
+with several task slots (1 + storage.uploader.max_pending by default), and a task acknowledges only after its
+shard is durably stored. Inside `run`, only the forward passes hold the lane's compute slot (one task on the
+engine at a time); reading the completions shard, writing the safetensors file and waiting for its upload happen
+outside it. So while one task waits for its shard to reach storage, the next task already computes, and when
+uploads fall behind, tasks queue at the uploader's bounded staging area (back-pressure) rather than on disk.
+One task per shard keeps re-delivery simple: a shard is either stored whole or computed again.
+"""
 
 from __future__ import annotations
 
-import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import safetensors
 import torch
@@ -13,10 +23,12 @@ import transformers
 import dflash_queue
 from dflash_queue.config import Config
 from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import ExtractedSample, ShardInfo, TrainingShard, write_training_shard
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.keys import completions_key, shard_key
+from dflash_queue.storage.uploader import ShardUploader
 
 
 @dataclass(frozen=True)
@@ -46,10 +58,18 @@ def versions() -> dict[str, str]:
 
 
 class ExtractLane:
-    def __init__(self, config: Config, extractor: HiddenStateExtractor, storage: Storage | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        extractor: HiddenStateExtractor,
+        storage: Storage | None = None,
+        uploader: ShardUploader | None = None,
+    ) -> None:
         self.config = config
         self.extractor = extractor
-        self.storage = storage or open_storage(config.storage.url)
+        self._owns_storage = storage is None
+        self.storage = storage or open_storage(config.storage)
+        self.uploader = uploader or ShardUploader.from_config(config, self.storage)
         self.info = ShardInfo(
             target_model=config.model.display_name,
             layer_ids=tuple(extractor.layer_ids),
@@ -59,8 +79,11 @@ class ExtractLane:
             config_fingerprint=config.fingerprint(),
             versions=versions(),
         )
+        self._compute = threading.Lock()
+        self._stopping = threading.Event()
 
     def run(self, shard_id: str) -> ExtractSummary:
+        """Extract one shard and return once it is durably stored. Safe to call from several threads."""
         out_key = shard_key(shard_id)
         if self.storage.exists(out_key):
             with self.storage.local_copy(out_key) as path:
@@ -73,7 +96,8 @@ class ExtractLane:
         kept = [r for r in records if r.kept]
         dropped = [(r.id, r.quality) for r in records if not r.kept]
         requests = [ExtractionRequest(r.id, r.input_ids) for r in kept]
-        states = self.extractor.extract(requests) if requests else []
+        with self._compute_slot(shard_id):
+            states = self.extractor.extract(requests) if requests else []
         samples = [
             ExtractedSample(
                 id=record.id,
@@ -86,15 +110,40 @@ class ExtractLane:
             )
             for record, request, hidden in zip(kept, requests, states, strict=True)
         ]
-        with tempfile.TemporaryDirectory(prefix="dfq-shard-") as tmp:
-            path = Path(tmp) / "shard.safetensors"
-            write_training_shard(path, samples, self.info, dropped=dropped)  # type: ignore[arg-type]
-            size = path.stat().st_size
-            self.storage.write_file(out_key, path)
-        return ExtractSummary(shard_id, len(samples), sum(len(r.input_ids) for r in requests), size)
+        del states
+        with self.uploader.stage(shard_id) as staged:
+            write_training_shard(staged.path, samples, self.info, dropped=dropped)  # type: ignore[arg-type]
+            size = staged.path.stat().st_size
+            num_samples = len(samples)
+            del samples
+            stored = self.uploader.upload(staged, out_key)
+        stored.result()
+        return ExtractSummary(shard_id, num_samples, sum(len(r.input_ids) for r in requests), size)
+
+    def begin_shutdown(self) -> None:
+        """Tasks that have not reached the engine yet give up (and are requeued); the others finish."""
+        self._stopping.set()
 
     def close(self) -> None:
+        self.begin_shutdown()
+        self.uploader.close()
         self.extractor.close()
+        if self._owns_storage and hasattr(self.storage, "close"):
+            self.storage.close()
+
+    @contextmanager
+    def _compute_slot(self, shard_id: str) -> Iterator[None]:
+        """The engine, for one task at a time; refused once shutdown began, so that the task is requeued."""
+        refused = f"shard {shard_id}: the worker is shutting down before extraction started"
+        while not self._compute.acquire(timeout=0.5):
+            if self._stopping.is_set():
+                raise WorkerShuttingDown(refused)
+        try:
+            if self._stopping.is_set():
+                raise WorkerShuttingDown(refused)
+            yield
+        finally:
+            self._compute.release()
 
 
 def build_extractor(config: Config) -> HiddenStateExtractor:

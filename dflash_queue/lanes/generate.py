@@ -66,7 +66,7 @@ class GenerateLane:
     def __init__(self, config: Config, engine: GenerateEngine, storage: Storage | None = None) -> None:
         self.config = config
         self.engine = engine
-        self.storage = storage or open_storage(config.storage.url)
+        self.storage = storage or open_storage(config.storage)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.formatter = ChatFormatter(tokenizer)
         self.turns = TurnGenerator(

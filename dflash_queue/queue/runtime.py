@@ -20,6 +20,8 @@ class WorkerRuntime:
     lanes: dict[str, Any]
     # Set when the worker must stop because it cannot serve more tasks (its engine died).
     stop_reason: str | None = None
+    # The worker's storage, shared by its lanes; closed after them.
+    storage: Any = None
 
     def lane(self, name: str) -> Any:
         try:
@@ -34,10 +36,20 @@ class WorkerRuntime:
             logging.getLogger(__name__).critical("stopping this worker: %s", reason)
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def begin_shutdown(self) -> None:
+        """Warm shutdown began: lanes stop taking up new work (running work finishes)."""
+        for lane in self.lanes.values():
+            begin = getattr(lane, "begin_shutdown", None)
+            if begin is not None:
+                begin()
+
     def close(self) -> None:
         for lane in self.lanes.values():
             lane.close()
         self.lanes.clear()
+        close_storage = getattr(self.storage, "close", None)
+        if close_storage is not None:
+            close_storage()
 
 
 _current: WorkerRuntime | None = None

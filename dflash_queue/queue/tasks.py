@@ -5,12 +5,16 @@ Messages carry references only: a shard id, its sample count and the config fing
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from celery import Task
 from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
 
 from dflash_queue import ledger as states
-from dflash_queue.errors import EngineUnavailable, FingerprintMismatch
+from dflash_queue.errors import EngineUnavailable, FingerprintMismatch, StorageUnavailable, WorkerShuttingDown
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
@@ -50,12 +54,36 @@ class LaneTask(Task):
         except Exception:  # never let bookkeeping hide the original error
             log.exception("could not record the failure of shard %s", shard_id)
 
+    def on_retry(self, exc, task_id, args, kwargs, einfo) -> None:
+        try:
+            runtime.current().ledger.add({"storage_retries": 1})
+        except Exception:
+            log.exception("could not count a retry")
 
-@app.task(name=GENERATE_TASK, base=LaneTask)
-def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
+
+STORAGE_RETRY_MAX_DELAY_S = 120.0
+
+
+@contextmanager
+def _lane_outcomes(task: Task, rt: runtime.WorkerRuntime, shard_id: str) -> Iterator[None]:
+    """Storage outages become delayed retries; a shutdown before the work began puts the message back."""
+    try:
+        yield
+    except WorkerShuttingDown as exc:
+        log.info("%s: requeued", exc)
+        raise Reject(str(exc), requeue=True) from None
+    except StorageUnavailable as exc:
+        attempt = task.request.retries
+        delay = min(2.0 * 2**attempt, STORAGE_RETRY_MAX_DELAY_S) * random.uniform(0.5, 1.0)
+        log.warning("shard %s: storage unavailable (retry %d in %.1f s): %s", shard_id, attempt + 1, delay, exc)
+        raise task.retry(exc=exc, countdown=delay, max_retries=rt.config.storage.unavailable_task_retries)
+
+
+@app.task(name=GENERATE_TASK, base=LaneTask, bind=True)
+def generate_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str) -> None:
     rt = runtime.current()
     _check_fingerprint(rt, fingerprint, shard_id)
-    with BUSY["generate"].task() as timing:
+    with _lane_outcomes(self, rt, shard_id), BUSY["generate"].task() as timing:
         summary = rt.lane("generate").run(shard_id)
     if not summary.skipped:
         rt.ledger.add({**summary.counters(), "generate_busy_ms": timing.busy_ms})
@@ -71,11 +99,11 @@ def generate_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
     )
 
 
-@app.task(name=EXTRACT_TASK, base=LaneTask)
-def extract_shard(shard_id: str, num_samples: int, fingerprint: str) -> None:
+@app.task(name=EXTRACT_TASK, base=LaneTask, bind=True)
+def extract_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str) -> None:
     rt = runtime.current()
     _check_fingerprint(rt, fingerprint, shard_id)
-    with BUSY["extract"].task() as timing:
+    with _lane_outcomes(self, rt, shard_id), BUSY["extract"].task() as timing:
         summary = rt.lane("extract").run(shard_id)
     if not summary.skipped:
         rt.ledger.add({**summary.counters(), "extract_busy_ms": timing.busy_ms})

@@ -19,6 +19,11 @@ messages are acked only then); messages it held but had not started go back to t
 `worker_shutdown` releases the engines: vLLM's processes are told to exit and are killed if they outlive
 `generate.vllm.shutdown_timeout_s`, so none outlives the worker. A worker whose engine died stops the same
 way, hands its tasks back to the queue and exits with a failure code (see `LaneTask`).
+
+Storage is checked before the engine is loaded (write, read back, list, delete a probe object): a missing
+bucket or denied access stops the worker at once with the reason. The extract worker runs 1 + max_pending task
+slots by default so that uploads overlap the next shard's compute (see lanes/extract.py). On warm shutdown,
+tasks still waiting for the engine are requeued and the others finish, their uploads included.
 """
 
 from __future__ import annotations
@@ -32,27 +37,32 @@ from dflash_queue.config import Config
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, GENERATE_QUEUE, configure_app
+from dflash_queue.storage import Storage, open_storage
+from dflash_queue.storage.checks import require_storage
 
 LANES = {"generate": GENERATE_QUEUE, "extract": EXTRACT_QUEUE}
 log = logging.getLogger(__name__)
 
 
-def build_lane(config: Config, lane: str):
+def build_lane(config: Config, lane: str, storage: Storage | None = None):
     if lane == "generate":
         from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 
-        return GenerateLane(config, build_generate_engine(config))
+        return GenerateLane(config, build_generate_engine(config), storage)
     if lane == "extract":
         from dflash_queue.lanes.extract import ExtractLane, build_extractor
 
-        return ExtractLane(config, build_extractor(config))
+        return ExtractLane(config, build_extractor(config), storage)
     raise ValueError(f"unknown lane {lane!r}; expected one of {sorted(LANES)}")
 
 
-def lane_concurrency(config: Config, lane: str) -> int:
-    """Tasks a lane worker runs at once unless told otherwise."""
+def default_concurrency(config: Config, lane: str) -> int:
+    """Task slots unless told otherwise: the vLLM lane keeps `inflight_tasks` shards feeding one engine; the
+    extract lane keeps one computing while up to max_pending wait for their uploads."""
     if lane == "generate" and config.generate.engine == "vllm":
         return config.generate.vllm.inflight_tasks
+    if lane == "extract":
+        return 1 + config.storage.uploader.max_pending
     return 1
 
 
@@ -75,6 +85,17 @@ def _warn_if_engine_can_drain(config: Config, lane: str, concurrency: int) -> No
 EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the worker
 
 
+def open_checked_storage(config: Config) -> Storage:
+    """Open the configured storage, prove it writable and readable, and abort stale multipart uploads."""
+    storage = open_storage(config.storage)
+    for result in require_storage(storage):
+        log.info("storage %s: %s", result.check, result.message)
+    abort_stale = getattr(storage, "abort_stale_uploads", None)
+    if abort_stale is not None and config.storage.s3.abort_stale_uploads_after_s > 0:
+        abort_stale()
+    return storage
+
+
 def run_worker(
     config: Config,
     lane: str,
@@ -84,17 +105,22 @@ def run_worker(
     loglevel: str = "INFO",
 ) -> int:
     """Run a lane worker until it is stopped; returns the process exit code."""
+    if lane not in LANES:
+        raise ValueError(f"unknown lane {lane!r}; expected one of {sorted(LANES)}")
     app = configure_app(config)
-    concurrency = concurrency or lane_concurrency(config, lane)
+    concurrency = concurrency or default_concurrency(config, lane)
     _warn_if_engine_can_drain(config, lane, concurrency)
+    storage = open_checked_storage(config)
     log.info("loading the %s engine for %s", lane, config.model.display_name)
     rt = runtime.WorkerRuntime(
         config=config,
         fingerprint=config.fingerprint(),
         ledger=Ledger.from_url(config.broker.url, config.run.name),
-        lanes={lane: build_lane(config, lane)},
+        lanes={lane: build_lane(config, lane, storage)},
+        storage=storage,
     )
     runtime.install(rt)
+    signals.worker_shutting_down.connect(_begin_shutdown, weak=False)
     signals.worker_shutdown.connect(_release_engine, weak=False)
     node = hostname or f"{lane}-{config.run.name}@{socket.gethostname()}"
     code = app.start(
@@ -114,6 +140,13 @@ def run_worker(
         log.error("worker stopped: %s", rt.stop_reason)
         return EXIT_ENGINE_LOST
     return code or 0
+
+
+def _begin_shutdown(**_kwargs) -> None:
+    try:
+        runtime.current().begin_shutdown()
+    except RuntimeError:  # no runtime installed: nothing to tell
+        pass
 
 
 def _release_engine(**_kwargs) -> None:

@@ -1,19 +1,38 @@
-"""Worker start-up choices that need no broker: how many tasks a lane runs at once."""
+"""Worker start-up: how many tasks a lane runs at once; with S3 storage, the start-up storage check and warm
+shutdown with uploads in flight (real `dflash-queue worker` subprocesses, redis-server, loopback S3)."""
 
 from __future__ import annotations
 
 import logging
+import time
+from pathlib import Path
 
-from dflash_queue.queue.worker import _warn_if_engine_can_drain, lane_concurrency
+import redis
+
+from dflash_queue.data.readers import read_dataset
+from dflash_queue.data.samples import Sample
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.ledger import DONE, Ledger
+from dflash_queue.queue.app import EXTRACT_QUEUE, configure_app
+from dflash_queue.queue.tasks import extract_shard
+from dflash_queue.queue.worker import _warn_if_engine_can_drain, default_concurrency
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
+from dflash_queue.shards.training import TrainingShard
+from dflash_queue.storage import open_storage
+from dflash_queue.storage.keys import prompts_key, shard_key
 from dflash_queue.testing.configs import tiny_vllm_overrides
+from dflash_queue.testing.polling import wait_for_states
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_vllm_lane_runs_its_configured_tasks_in_flight(make_config):
     vllm = make_config("vllm.toml", **tiny_vllm_overrides(inflight_tasks=4))
     transformers = make_config("hf.toml")
-    assert lane_concurrency(vllm, "generate") == 4
-    assert lane_concurrency(vllm, "extract") == 1
-    assert lane_concurrency(transformers, "generate") == 1
+    assert default_concurrency(vllm, "generate") == 4
+    assert default_concurrency(transformers, "generate") == 1
+    # Extract: one slot computing while up to max_pending wait for their uploads.
+    assert default_concurrency(vllm, "extract") == 1 + vllm.storage.uploader.max_pending
 
 
 def test_a_warning_when_the_other_tasks_cannot_fill_the_engine(make_config, caplog):
@@ -24,3 +43,67 @@ def test_a_warning_when_the_other_tasks_cannot_fill_the_engine(make_config, capl
     with caplog.at_level(logging.WARNING, logger="dflash_queue.queue.worker"):
         _warn_if_engine_can_drain(config, "generate", concurrency=2)
     assert "fewer than generate.vllm.max_num_seqs (32)" in caplog.text
+
+
+def test_worker_refuses_to_start_when_the_bucket_is_missing(make_config, s3_tables, start_worker):
+    tables = {**s3_tables, "storage": {"url": "s3://bucket-nobody-made/run"}}
+    config = make_config(**tables)
+    worker = start_worker(config, "extract", wait=False)
+    assert worker.process.wait(timeout=300) != 0
+    log = worker.log_tail(6000)
+    assert "storage check failed for s3://bucket-nobody-made/run/" in log
+    assert "'bucket-nobody-made' does not exist at http://127.0.0.1:" in log
+
+
+def test_worker_refuses_to_start_without_credentials(make_config, s3_tables, start_worker, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    worker = start_worker(make_config(**s3_tables), "generate", wait=False)
+    assert worker.process.wait(timeout=300) != 0
+    log = worker.log_tail(6000)
+    assert "credentials" in log and "FAIL" in log and "AWS_ACCESS_KEY_ID" in log
+
+
+def test_warm_shutdown_stores_or_requeues_every_shard(make_config, s3_tables, start_worker, redis_url, tmp_path):
+    config = make_config(**s3_tables, **{"generate.sampling": {"max_tokens": 12}})
+    configure_app(config)
+    storage = open_storage(config.storage)
+    samples = [s for s in read_dataset([REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20)
+               if isinstance(s, Sample)][:32]
+    generate = GenerateLane(config, build_generate_engine(config), storage)
+    shard_ids = []
+    for begin in range(0, len(samples), 4):
+        shard = samples[begin : begin + 4]
+        shard_id = prompt_shard_id(shard)
+        storage.write_bytes(prompts_key(shard_id), encode_prompts(shard))
+        generate.run(shard_id)
+        shard_ids.append(shard_id)
+    generate.close()
+
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    worker = start_worker(config, "extract")
+    for shard_id in shard_ids:
+        extract_shard.apply_async(args=(shard_id, 4, config.fingerprint()), queue=EXTRACT_QUEUE)
+    # Stop as soon as the first shard is done, while the others are queued, computing or uploading.
+    deadline = time.monotonic() + 300
+    while DONE not in ledger.states(shard_ids).values():
+        assert worker.alive() and time.monotonic() < deadline, worker.log_tail()
+        time.sleep(0.05)
+    worker.terminate()
+    assert worker.process.wait(timeout=300) == 0, worker.log_tail()
+
+    # Every shard is either stored and done, or its message is back in the queue; nothing is left unacked.
+    broker = redis.Redis.from_url(redis_url)
+    done = {s for s, state in ledger.states(shard_ids).items() if state == DONE}
+    for shard_id in done:
+        with storage.local_copy(shard_key(shard_id)) as path:
+            assert len(TrainingShard(path)) == 4
+    assert broker.llen(EXTRACT_QUEUE) == len(shard_ids) - len(done), worker.log_tail()
+    assert broker.hlen("unacked") == 0
+    assert list(config.staging_dir.glob("*/*")) == []
+    assert storage.incomplete_uploads() == []
+
+    # A new worker finishes the rest.
+    again = start_worker(config, "extract")
+    wait_for_states(ledger, shard_ids, {DONE}, timeout=600, workers=[again])
+    assert sorted(k.split("/")[1].split(".")[0] for k in storage.list("shards/")) == sorted(shard_ids)

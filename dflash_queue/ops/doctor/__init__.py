@@ -15,7 +15,7 @@ from dflash_queue.ops.doctor.disk import check_free_disk
 from dflash_queue.ops.doctor.gpu import GpuInfo, check_gpus, read_gpus
 from dflash_queue.ops.doctor.model import check_model, check_thinking_template
 from dflash_queue.ops.doctor.result import Check
-from dflash_queue.ops.doctor.storage import check_storage
+from dflash_queue.ops.doctor.storage import check_configured_storage
 from dflash_queue.ops.doctor.versions import check_versions
 
 DEFAULT_MEMORY_UTILIZATION = 0.9
@@ -49,7 +49,7 @@ def run_doctor(
     gpu_reader: GpuReader = read_gpus,
 ) -> list[Check]:
     checks = list(check_broker(config.broker.url))
-    checks.append(check_storage(config.storage.url))
+    checks += check_configured_storage(config.storage)
     model_checks, tokenizer = check_model(config)
     checks += model_checks
     if tokenizer is not None:
