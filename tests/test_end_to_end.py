@@ -21,6 +21,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import completions_key, shard_key
+from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,7 +35,7 @@ def first_lines(path: Path, count: int, out: Path) -> Path:
 
 
 def test_pipeline_produces_exact_training_shards(make_config, redis_url, start_worker, tmp_path, tiny_model):
-    config = make_config(**{"dataset": {"shard_size": 8, "thinking": "never"}})
+    config = make_config(dataset={"shard_size": 8, "thinking": "never"}, quality=FLAG_EVERYTHING)
     configure_app(config)
     dataset = first_lines(SAMPLE, 32, tmp_path / "prompts.jsonl")
     workers = [start_worker(config, "generate"), start_worker(config, "extract")]
