@@ -51,3 +51,24 @@ class StorageCheckFailed(PermanentError):
 
 class WorkerShuttingDown(DflashQueueError):
     """The worker is stopping before this task started its work: the task goes back to the queue."""
+
+
+class SampleDependentError(DflashQueueError):
+    """A batch failed in a way that depends on which samples it holds (an out-of-memory on one long sample at
+    the smallest token budget, non-finite hidden states, a tokenizer crash). The lane splits the batch and runs
+    the halves, down to the single sample, so that one bad sample costs one dead letter, not a shard.
+
+    `sample_ids`, when the engine knows them, name the samples at fault; empty means "somewhere in the batch".
+    """
+
+    def __init__(self, message: str, sample_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.sample_ids = tuple(sample_ids)
+
+
+class OutOfMemoryAtMinimumBudget(SampleDependentError):
+    """The engine ran out of device memory even after shrinking its token budget to one sequence."""
+
+
+class NonFiniteHiddenStates(SampleDependentError):
+    """A forward pass produced NaN or infinite hidden states for the named samples."""

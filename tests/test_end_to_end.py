@@ -117,7 +117,8 @@ def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
     assert f"{dataset}:21 [conversations[0].from]: unknown role: 'alien'" in summary
     shards = sorted((out / "shards").glob("*.safetensors"))
     assert len(shards) == 3
-    assert sum(len(TrainingShard(p)) for p in shards) == 20
+    # Every sample is in a shard, or listed in its shard's metadata as dropped by the quality gate.
+    assert sum(len(TrainingShard(p)) + len(TrainingShard(p).dropped) for p in shards) == 20
     assert (tmp_path / "state" / "redis" / "appendonlydir").is_dir()  # the private broker kept an AOF
     # Nothing left running: the private redis-server and both workers are gone.
     leftovers = subprocess.run(["pgrep", "-f", str(config_path)], capture_output=True, text=True).stdout
@@ -168,4 +169,5 @@ def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_pa
     shards = sorted((tmp_path / "out" / "shards").glob("*.safetensors"))
     assert len(shards) == 7
     ids = [i for path in shards for i in TrainingShard(path).sample_ids]
+    ids += [d["id"] for path in shards for d in TrainingShard(path).dropped]
     assert len(ids) == len(set(ids)) == 50
