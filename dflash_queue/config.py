@@ -246,11 +246,14 @@ class ExtractConfig(_Section):
     num_draft_layers: PositiveInt = 5
     # Explicit decoder-layer ids (output of layer i); when set they win over the DFlash default.
     layer_ids: LayerIds = ()
-    # Padded tokens per forward pass.
+    # Tokens per forward pass (sequences are packed; a longer sequence runs alone). Halved on out-of-memory.
     token_budget: PositiveInt = 16384
     # fp8_e4m3: half the bytes of bfloat16, one fp32 scale per token and layer; readers dequantise.
     hidden_dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = "bfloat16"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # CUDA: captured layers go to pinned host memory asynchronously while the next pack computes. Pinned memory
+    # up to one shard's hidden states stays cached by torch; off: plain synchronous copies.
+    pin_memory: bool = True
 
     @model_validator(mode="after")
     def _layer_ids_distinct(self) -> ExtractConfig:

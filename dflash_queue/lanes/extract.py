@@ -155,4 +155,5 @@ def build_extractor(config: Config) -> HiddenStateExtractor:
         dtype=config.model.dtype,
         token_budget=config.extract.token_budget,
         attn_implementation=config.extract.attn_implementation,
+        pin_memory=config.extract.pin_memory,
     )

@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor, plan_batches
+from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget
 
 
 def random_ids(count: int, seed: int, vocab: int = 500) -> list[int]:
@@ -36,21 +37,100 @@ def test_only_layers_up_to_the_highest_captured_are_kept(extractor):
     assert not hasattr(extractor.model, "lm_head")
 
 
-def test_padded_batches_equal_samples_run_alone(extractor):
-    requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate([5, 17, 9, 30, 2])]
-    batched = extractor.extract(requests)
-    for request, states in zip(requests, batched):
-        [alone] = extractor.extract([request])
-        torch.testing.assert_close(states, alone, rtol=1e-5, atol=1e-5)
+def reference_states(reference, ids: list[int], layers=(0, 2, 4)) -> torch.Tensor:
+    with torch.inference_mode():
+        out = reference(torch.tensor([ids]), output_hidden_states=True)
+    return torch.stack([out.hidden_states[layer + 1][0] for layer in layers], dim=1)
 
 
-def test_plan_batches_respects_the_token_budget():
-    lengths = [100, 3, 50, 50, 49, 10, 400, 7]
-    batches = plan_batches(lengths, token_budget=128)
-    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
-    for batch in batches:
-        width = max(lengths[i] for i in batch)
-        assert len(batch) * width <= 128 or len(batch) == 1
+class ForwardLog:
+    """Row widths of the forward passes the extractor runs (a pre-hook on its model)."""
+
+    def __init__(self, model, fail_above: int | None = None) -> None:
+        self.widths: list[int] = []
+        self.fail_above = fail_above
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, _module, _args, kwargs):
+        rows, width = kwargs["input_ids"].shape
+        assert rows == 1
+        if self.fail_above is not None and width > self.fail_above:
+            raise torch.OutOfMemoryError(f"test: {width} tokens is more than {self.fail_above}")
+        self.widths.append(width)
+
+
+# Many short sequences, a few longer ones and one longer than the 64-token budget.
+MIXED_LENGTHS = [5, 17, 9, 30, 2, 1, 3, 90, 12, 7, 1, 25, 40, 4, 6]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_batches_equal_samples_run_alone(tiny_model, reference, attn):
+    extractor = HiddenStateExtractor(
+        str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64, attn_implementation=attn
+    )
+    requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate(MIXED_LENGTHS)]
+    log = ForwardLog(extractor.model)
+    packed = extractor.extract(requests)
+    log.handle.remove()
+    assert sorted(log.widths) == [34, 64, 64, 90]  # the oversize sequence alone, two full packs and the rest
+    assert sum(log.widths) == sum(MIXED_LENGTHS)
+    for request, states in zip(requests, packed):
+        assert states.shape == (len(request.input_ids), 3, extractor.hidden_size)
+        torch.testing.assert_close(states, reference_states(reference, request.input_ids), rtol=1e-5, atol=1e-5)
+
+
+def test_no_sample_sees_another_in_its_pack(extractor):
+    first, second = random_ids(20, 1), random_ids(20, 2)
+    together = extractor.extract([ExtractionRequest("a", first), ExtractionRequest("b", second)])
+    changed = extractor.extract([ExtractionRequest("a", random_ids(20, 3)), ExtractionRequest("b", second)])
+    torch.testing.assert_close(together[1], changed[1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(together[0], changed[0])
+
+
+def test_an_empty_request_list_runs_nothing(extractor):
+    assert extractor.extract([]) == []
+
+
+def test_out_of_memory_shrinks_the_budget_and_retries(tiny_model, reference):
+    extractor = HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate([24, 20, 12, 9, 5, 3, 1, 18])]
+    log = ForwardLog(extractor.model, fail_above=24)
+    states = extractor.extract(requests)
+    assert extractor.effective_token_budget <= 24
+    assert max(log.widths) <= 24
+    for request, got in zip(requests, states):
+        torch.testing.assert_close(got, reference_states(reference, request.input_ids), rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_memory_on_one_sequence_alone_names_the_sample(tiny_model):
+    extractor = HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    ForwardLog(extractor.model, fail_above=24)
+    requests = [ExtractionRequest("short", random_ids(10, 0)), ExtractionRequest("long", random_ids(30, 1))]
+    with pytest.raises(OutOfMemoryAtMinimumBudget, match="long") as caught:
+        extractor.extract(requests)
+    assert caught.value.sample_ids == ("long",)
+
+
+def test_non_finite_hidden_states_name_the_sample_and_spare_its_pack_mates(tiny_model):
+    extractor = HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    poisoned_token = 999
+    with torch.no_grad():
+        extractor.model.embed_tokens.weight[poisoned_token] = float("nan")
+    clean = [ExtractionRequest(str(i), random_ids(10, i)) for i in range(3)]
+    bad = ExtractionRequest("bad", random_ids(10, 9)[:5] + [poisoned_token] + random_ids(4, 8))
+    log = ForwardLog(extractor.model)
+    with pytest.raises(NonFiniteHiddenStates) as caught:
+        extractor.extract([*clean, bad])
+    assert caught.value.sample_ids == ("bad",)
+    assert log.widths == [40]  # all four shared one pack
+    assert all(torch.isfinite(s).all() for s in extractor.extract(clean))
+
+
+def test_activation_estimate_is_linear_in_tokens_and_covers_the_capture_buffers(extractor):
+    config = extractor.model.config
+    per_token = extractor.activation_bytes(1)
+    assert extractor.activation_bytes(1000) == 1000 * per_token
+    assert per_token > 2 * 3 * config.hidden_size * 4 + 3 * config.intermediate_size * 4
 
 
 def test_one_prefill_equals_step_by_step_generation(tiny_model, extractor):
