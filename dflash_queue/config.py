@@ -53,6 +53,12 @@ class BrokerConfig(_Section):
     # worker. It must exceed the longest task.
     visibility_timeout_s: PositiveInt = 4 * 3600
     task_timeout_s: PositiveInt = 2 * 3600
+    # A task delivered more often than this (its worker died each time: OOM-kill, segfault, SIGKILL) goes to
+    # the dead letters instead of taking down one more worker.
+    max_deliveries: PositiveInt = 3
+    # Retries of a task whose broker or storage connection failed (exponential backoff with jitter).
+    transient_retries: PositiveInt = 8
+    retry_backoff_max_s: PositiveFloat = 120.0
 
     @model_validator(mode="after")
     def _visibility_exceeds_longest_task(self) -> BrokerConfig:

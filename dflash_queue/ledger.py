@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 QUEUED = "queued"
 GENERATED = "generated"
@@ -23,6 +25,9 @@ DONE = "done"
 FAILED = "failed"
 # States in which a shard needs no new message from the producer.
 IN_PROGRESS_OR_DONE = frozenset({QUEUED, GENERATED, DONE})
+
+# How long a task's delivery count is kept: longer than any task is retried or re-delivered.
+DELIVERY_TTL_S = 7 * 24 * 3600
 
 RATE_BUCKET_S = 60
 # The longest window a rate can be asked for; older buckets expire.
@@ -52,10 +57,32 @@ class Ledger:
         self.rate_prefix = f"{self.prefix}:rate:"
         # When the first progress of this run was recorded: the start of the rate window of a young run.
         self.first_add_key = f"{self.prefix}:first_add"
+        self.counted_key = f"{self.prefix}:counted"
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> Ledger:
-        return cls(redis.Redis.from_url(url, decode_responses=True), run_name)
+        return cls(resilient_client(url), run_name)
+
+    def count_delivery(self, task_id: str, retries: int = 0, *, by: int = 1) -> int:
+        """Count one more delivery of a task (a retry is a new message and counts afresh); returns the count.
+
+        Counted when the task starts, so deliveries whose worker was killed before it could record anything
+        (OOM-kill, segfault, SIGKILL) are counted too.
+        """
+        key = f"{self.prefix}:delivery:{task_id}:{retries}"
+        pipe = self.client.pipeline()
+        pipe.incrby(key, by)
+        pipe.expire(key, DELIVERY_TTL_S)
+        count, _ = pipe.execute()
+        return int(count)
+
+    def add_once(self, token: str, counts: Mapping[str, int], *, now: float | None = None) -> bool:
+        """`add`, unless counts under the same token were added before (a task delivered twice that wrote the
+        same output twice must not count it twice). Returns whether the counts were added."""
+        if not self.client.sadd(self.counted_key, token):
+            return False
+        self.add(counts, now=now)
+        return True
 
     def set_state(self, shard_id: str, state: str, *, num_samples: int | None = None) -> None:
         pipe = self.client.pipeline()
@@ -152,5 +179,22 @@ class Ledger:
     def reset(self) -> None:
         buckets = list(self.client.scan_iter(match=f"{self.rate_prefix}*", count=1000))
         self.client.delete(
-            self.states_key, self.sizes_key, self.counters_key, self.failures_key, self.first_add_key, *buckets
+            self.states_key,
+            self.sizes_key,
+            self.counters_key,
+            self.failures_key,
+            self.first_add_key,
+            self.counted_key,
+            *buckets,
         )
+
+
+def resilient_client(url: str) -> redis.Redis:
+    """A client that rides out a broker restart: commands retried with backoff for about a minute."""
+    return redis.Redis.from_url(
+        url,
+        decode_responses=True,
+        retry=Retry(ExponentialBackoff(cap=8.0, base=0.25), retries=12),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        health_check_interval=25,
+    )

@@ -23,11 +23,14 @@ import transformers
 import dflash_queue
 from dflash_queue.config import Config
 from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue import faults
 from dflash_queue.errors import WorkerShuttingDown
+from dflash_queue.lanes.isolation import run_isolating
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import ExtractedSample, ShardInfo, TrainingShard, write_training_shard
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.storage.keys import completions_key, shard_key
+from dflash_queue.shards.prompts import decode_prompts
+from dflash_queue.storage.keys import completions_key, prompts_key, shard_key
 from dflash_queue.storage.uploader import ShardUploader
 
 
@@ -38,6 +41,8 @@ class ExtractSummary:
     num_tokens: int
     num_bytes: int
     skipped: bool = False
+    # (sample id, error) of each sample isolated as the cause of an engine failure: left out of the shard.
+    poisoned: tuple[tuple[str, BaseException], ...] = ()
 
     def counters(self) -> dict[str, int]:
         return {
@@ -82,10 +87,13 @@ class ExtractLane:
         self._compute = threading.Lock()
         self._stopping = threading.Event()
 
-    def run(self, shard_id: str) -> ExtractSummary:
-        """Extract one shard and return once it is durably stored. Safe to call from several threads."""
+    def run(self, shard_id: str, *, redo: bool = False) -> ExtractSummary:
+        """Extract one shard and return once it is durably stored. Safe to call from several threads.
+
+        A stored shard is reused unless `redo` (a requeued dead letter: the shard is written again, whole).
+        """
         out_key = shard_key(shard_id)
-        if self.storage.exists(out_key):
+        if not redo and self.storage.exists(out_key):
             with self.storage.local_copy(out_key) as path:
                 shard = TrainingShard(path)
                 return ExtractSummary(shard_id, len(shard), shard.num_tokens, path.stat().st_size, skipped=True)
@@ -97,28 +105,40 @@ class ExtractLane:
         dropped = [(r.id, r.quality) for r in records if not r.kept]
         requests = [ExtractionRequest(r.id, r.input_ids) for r in kept]
         with self._compute_slot(shard_id):
-            states = self.extractor.extract(requests) if requests else []
+            isolated = run_isolating(requests, self._extract, [r.sample_id for r in requests])
         samples = [
             ExtractedSample(
-                id=record.id,
-                input_ids=torch.tensor(request.input_ids, dtype=torch.int32),
-                loss_mask=torch.tensor(record.loss_mask(), dtype=torch.uint8),
-                hidden_states=hidden,
-                finish_reason=record.finish_reason,
-                thinking=record.thinking,
-                quality=record.quality,
+                id=kept[i].id,
+                input_ids=torch.tensor(requests[i].input_ids, dtype=torch.int32),
+                loss_mask=torch.tensor(kept[i].loss_mask(), dtype=torch.uint8),
+                hidden_states=isolated.results[i],
+                finish_reason=kept[i].finish_reason,
+                thinking=kept[i].thinking,
+                quality=kept[i].quality,
             )
-            for record, request, hidden in zip(kept, requests, states, strict=True)
+            for i in isolated.ok
         ]
-        del states
+        poisoned = tuple((requests[i].sample_id, exc) for i, exc in isolated.poisoned)
+        dead = [i for i, _ in poisoned]
+        if not records:
+            # Every sample of the shard was dead-lettered by the generate lane: the shard records them.
+            dead = [s.id for s in decode_prompts(self.storage.read_bytes(prompts_key(shard_id)), what=shard_id)]
+        num_tokens = sum(len(requests[i].input_ids) for i in isolated.ok)
+        del isolated
         with self.uploader.stage(shard_id) as staged:
-            write_training_shard(staged.path, samples, self.info, dropped=dropped)  # type: ignore[arg-type]
+            write_training_shard(
+                staged.path, samples, self.info, dropped=dropped, dead=dead  # type: ignore[arg-type]
+            )
             size = staged.path.stat().st_size
             num_samples = len(samples)
             del samples
             stored = self.uploader.upload(staged, out_key)
         stored.result()
-        return ExtractSummary(shard_id, num_samples, sum(len(r.input_ids) for r in requests), size)
+        return ExtractSummary(shard_id, num_samples, num_tokens, size, poisoned=poisoned)
+
+    def _extract(self, requests: list[ExtractionRequest]) -> list[torch.Tensor]:
+        faults.check_poison("extract", (r.sample_id for r in requests))
+        return self.extractor.extract(requests)
 
     def begin_shutdown(self) -> None:
         """Tasks that have not reached the engine yet give up (and are requeued); the others finish."""

@@ -8,9 +8,12 @@ from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer
 
+from dflash_queue import faults
 from dflash_queue.config import Config
+from dflash_queue.data.samples import Sample
 from dflash_queue.engines.base import GenerateEngine
 from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.lanes.isolation import run_isolating
 from dflash_queue.lanes.turns import TurnGenerator
 from dflash_queue.quality.checks import TokenMarkers
 from dflash_queue.quality.gate import GateCounts, QualityGate
@@ -31,6 +34,8 @@ class GenerateSummary:
     # Samples the quality gate kept (flagged ones included); the rest are dropped.
     kept: int = 0
     gate: dict[str, int] = field(default_factory=dict)
+    # (sample id, error) of each sample isolated as the cause of an engine failure: left out of the shard.
+    poisoned: tuple[tuple[str, BaseException], ...] = ()
 
     def counters(self) -> dict[str, int]:
         counts = {
@@ -44,7 +49,13 @@ class GenerateSummary:
         return counts
 
 
-def summarize(shard_id: str, records: list[CompletionRecord], *, skipped: bool) -> GenerateSummary:
+def summarize(
+    shard_id: str,
+    records: list[CompletionRecord],
+    *,
+    skipped: bool,
+    poisoned: tuple[tuple[str, BaseException], ...] = (),
+) -> GenerateSummary:
     gate = GateCounts()
     for record in records:
         if record.quality is not None:
@@ -59,6 +70,7 @@ def summarize(shard_id: str, records: list[CompletionRecord], *, skipped: bool) 
         skipped=skipped,
         kept=sum(1 for r in records if r.kept),
         gate=gate.as_dict(),
+        poisoned=poisoned,
     )
 
 
@@ -78,17 +90,31 @@ class GenerateLane:
             max_model_len=config.max_model_len(),
         )
 
-    def run(self, shard_id: str) -> GenerateSummary:
+    def run(self, shard_id: str, *, redo: bool = False) -> GenerateSummary:
+        """Generate one shard's completions. A stored completions file is reused; with `redo` (a requeued dead
+        letter) only the samples it lacks are generated and added to it."""
         out_key = completions_key(shard_id)
+        existing: list[CompletionRecord] = []
         if self.storage.exists(out_key):
             existing = decode_completions(self.storage.read_bytes(out_key), what=out_key)
-            return summarize(shard_id, existing, skipped=True)
+            if not redo:
+                return summarize(shard_id, existing, skipped=True)
 
         in_key = prompts_key(shard_id)
         samples = decode_prompts(self.storage.read_bytes(in_key), what=in_key)
-        records = self.turns.run(samples)
+        have = {r.id for r in existing}
+        todo = [s for s in samples if s.id not in have]
+        isolated = run_isolating(todo, self._generate, [s.id for s in todo])
+        fresh = {todo[i].id: isolated.results[i] for i in isolated.ok}
+        by_id = {r.id: r for r in existing} | fresh
+        records = [by_id[s.id] for s in samples if s.id in by_id]
         self.storage.write_bytes(out_key, encode_completions(records))
-        return summarize(shard_id, records, skipped=False)
+        poisoned = tuple((todo[i].id, exc) for i, exc in isolated.poisoned)
+        return summarize(shard_id, [fresh[i] for i in fresh], skipped=False, poisoned=poisoned)
+
+    def _generate(self, samples: list[Sample]) -> list[CompletionRecord]:
+        faults.check_poison("generate", (s.id for s in samples))
+        return self.turns.run(samples)
 
     def close(self) -> None:
         self.engine.close()

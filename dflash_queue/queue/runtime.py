@@ -22,6 +22,8 @@ class WorkerRuntime:
     stop_reason: str | None = None
     # The worker's storage, shared by its lanes; closed after them.
     storage: Any = None
+    # Where failed tasks, poison samples and unrunnable messages are recorded (dflash_queue.deadletters).
+    dead_letters: Any = None
 
     def lane(self, name: str) -> Any:
         try:

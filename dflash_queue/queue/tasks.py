@@ -1,6 +1,12 @@
 """Thin Celery tasks: check the message, call the lane, record progress, chain the next lane.
 
-Messages carry references only: a shard id, its sample count and the config fingerprint.
+Messages carry references only: a shard id, its sample count, the config fingerprint, and `redo` (set by a
+requeued dead letter: write the shard again with the samples it lacks).
+
+Exactly-once output from at-least-once delivery: output keys derive from the shard id, a task whose output
+exists completes without recomputing, and outputs are written whole (temp file + rename, or one object PUT),
+so a task delivered twice, even to two workers at once, writes the same shard, never half or two of it; its
+counters are added once.
 """
 
 from __future__ import annotations
@@ -9,16 +15,25 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import redis
 from celery import Task
 from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
 
+from dflash_queue import faults
 from dflash_queue import ledger as states
-from dflash_queue.errors import EngineUnavailable, FingerprintMismatch, StorageUnavailable, WorkerShuttingDown
+from dflash_queue.errors import (
+    DflashQueueError,
+    EngineUnavailable,
+    FingerprintMismatch,
+    StorageUnavailable,
+    WorkerShuttingDown,
+)
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
 from dflash_queue.queue.busy import BusyClock
+from dflash_queue.queue.dead_lettering import dead_letter_samples, dead_letter_task
 
 log = get_task_logger(__name__)
 # Busy time per lane in this worker process, recorded as `{lane}_busy_ms` next to the lane's counters.
@@ -34,85 +49,160 @@ def _check_fingerprint(rt: runtime.WorkerRuntime, fingerprint: str, shard_id: st
 
 
 class LaneTask(Task):
-    """Records a failed shard in the ledger so that runs and operators see it instead of waiting forever.
+    """Delivery counting, dead letters and transient retries around a lane task.
+
+    Each delivery is counted in Redis before the work starts, because a worker killed by the kernel (OOM,
+    segfault, SIGKILL) runs no failure handler: the message simply comes back. A task delivered more than
+    `broker.max_deliveries` times is dead-lettered unrun. A task that fails for good (a permanent error,
+    retries exhausted) is dead-lettered by `on_failure`; Celery then acks its message.
 
     A dead engine is not the shard's fault: the message goes back to the queue for a healthy worker, and this
     worker stops instead of failing every task it would take next.
     """
 
     def __call__(self, *args, **kwargs):
+        rt = runtime.current()
+        deliveries = rt.ledger.count_delivery(self.request.id or "", self.request.retries or 0)
+        self.request.deliveries = deliveries
+        if deliveries > rt.config.broker.max_deliveries:
+            return self._give_up(rt, args, kwargs, deliveries)
+        faults.task_delay()
         try:
             return super().__call__(*args, **kwargs)
         except EngineUnavailable as exc:
-            runtime.current().request_stop(f"{type(exc).__name__}: {exc}")
+            self._not_counted(rt)
+            rt.request_stop(f"{type(exc).__name__}: {exc}")
             raise Reject(str(exc), requeue=True) from exc
+        except WorkerShuttingDown as exc:
+            self._not_counted(rt)
+            log.info("%s: requeued", exc)
+            raise Reject(str(exc), requeue=True) from None
+
+    def _give_up(self, rt: runtime.WorkerRuntime, args, kwargs, deliveries: int) -> None:
+        exc = DeliveryLimitExceeded(
+            f"delivered {deliveries} times (broker.max_deliveries = {rt.config.broker.max_deliveries}); the "
+            "workers that ran it died each time (out of memory, a crash, a kill): see their logs"
+        )
+        self._dead_letter(rt, exc, args, kwargs)
+
+    def _not_counted(self, rt: runtime.WorkerRuntime) -> None:
+        """A delivery handed back unrun (shutdown, dead engine) is not the task's fault: uncount it."""
+        try:
+            rt.ledger.count_delivery(self.request.id or "", self.request.retries or 0, by=-1)
+        except Exception:
+            log.exception("could not uncount a requeued delivery")
+
+    def _dead_letter(self, rt: runtime.WorkerRuntime, exc: BaseException, args, kwargs) -> None:
+        record = dead_letter_task(
+            self.name,
+            args,
+            kwargs,
+            exc,
+            deliveries=getattr(self.request, "deliveries", 0),
+            worker=self.request.hostname or "",
+        )
+        if record.shard_id:
+            try:
+                rt.ledger.mark_failed(record.shard_id, f"{self.name}: {type(exc).__name__}: {exc}")
+            except Exception:  # never let bookkeeping hide the original error
+                log.exception("could not record the failure of shard %s", record.shard_id)
 
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        shard_id = args[0] if args else kwargs.get("shard_id", "?")
-        try:
-            runtime.current().ledger.mark_failed(shard_id, f"{self.name}: {type(exc).__name__}: {exc}")
-        except Exception:  # never let bookkeeping hide the original error
-            log.exception("could not record the failure of shard %s", shard_id)
+        self._dead_letter(runtime.current(), exc, args, kwargs)
 
     def on_retry(self, exc, task_id, args, kwargs, einfo) -> None:
+        name = "storage_retries" if isinstance(exc, StorageUnavailable) else "transient_retries"
         try:
-            runtime.current().ledger.add({"storage_retries": 1})
+            runtime.current().ledger.add({name: 1})
         except Exception:
             log.exception("could not count a retry")
 
 
-STORAGE_RETRY_MAX_DELAY_S = 120.0
+class DeliveryLimitExceeded(DflashQueueError):
+    """The task was delivered more often than broker.max_deliveries allows."""
+
+
+# Transient: the broker or a connection blinked. Storage outages have their own (longer) retry budget.
+TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+
+
+def backoff_s(attempt: int, cap_s: float) -> float:
+    """Exponential backoff with jitter: 2 s, 4 s, 8 s ... up to cap_s, each scaled by a random 0.5-1.0."""
+    return min(2.0 * 2**attempt, cap_s) * random.uniform(0.5, 1.0)
 
 
 @contextmanager
-def _lane_outcomes(task: Task, rt: runtime.WorkerRuntime, shard_id: str) -> Iterator[None]:
-    """Storage outages become delayed retries; a shutdown before the work began puts the message back."""
+def _transient_retries(task: Task, rt: runtime.WorkerRuntime, shard_id: str) -> Iterator[None]:
+    """Storage outages and broken connections become delayed retries; anything else fails the task."""
+    broker = rt.config.broker
     try:
         yield
-    except WorkerShuttingDown as exc:
-        log.info("%s: requeued", exc)
-        raise Reject(str(exc), requeue=True) from None
     except StorageUnavailable as exc:
-        attempt = task.request.retries
-        delay = min(2.0 * 2**attempt, STORAGE_RETRY_MAX_DELAY_S) * random.uniform(0.5, 1.0)
-        log.warning("shard %s: storage unavailable (retry %d in %.1f s): %s", shard_id, attempt + 1, delay, exc)
+        delay = backoff_s(task.request.retries, broker.retry_backoff_max_s)
+        log.warning("shard %s: storage unavailable (retry %d in %.1f s): %s", shard_id, task.request.retries + 1, delay, exc)
         raise task.retry(exc=exc, countdown=delay, max_retries=rt.config.storage.unavailable_task_retries)
+    except TRANSIENT_ERRORS as exc:
+        delay = backoff_s(task.request.retries, broker.retry_backoff_max_s)
+        log.warning("shard %s: %s (retry %d in %.1f s): %s", shard_id, type(exc).__name__, task.request.retries + 1, delay, exc)
+        raise task.retry(exc=exc, countdown=delay, max_retries=broker.transient_retries)
+
+
+def _count_once(rt: runtime.WorkerRuntime, task: Task, lane: str, shard_id: str, redo: bool, counts: dict) -> None:
+    """Counters of one shard's output, once: a second delivery that wrote the same output adds nothing."""
+    token = f"{lane}:{shard_id}" + (f":redo:{task.request.id}" if redo else "")
+    rt.ledger.add_once(token, counts)
+
+
+def _dead_letter_poisoned(task: Task, args: tuple, kwargs: dict, poisoned) -> None:
+    if poisoned:
+        dead_letter_samples(
+            task.name,
+            args,
+            kwargs,
+            poisoned,
+            deliveries=getattr(task.request, "deliveries", 0),
+            worker=task.request.hostname or "",
+        )
 
 
 @app.task(name=GENERATE_TASK, base=LaneTask, bind=True)
-def generate_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str) -> None:
+def generate_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False) -> None:
     rt = runtime.current()
     _check_fingerprint(rt, fingerprint, shard_id)
-    with _lane_outcomes(self, rt, shard_id), BUSY["generate"].task() as timing:
-        summary = rt.lane("generate").run(shard_id)
+    with _transient_retries(self, rt, shard_id), BUSY["generate"].task() as timing:
+        summary = rt.lane("generate").run(shard_id, redo=redo)
+    _dead_letter_poisoned(self, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
     if not summary.skipped:
-        rt.ledger.add({**summary.counters(), "generate_busy_ms": timing.busy_ms})
+        _count_once(rt, self, "generate", shard_id, redo, {**summary.counters(), "generate_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.GENERATED)
-    extract_shard.apply_async(args=(shard_id, summary.kept, fingerprint), queue=EXTRACT_QUEUE)
+    extract_shard.apply_async(args=(shard_id, summary.kept, fingerprint), kwargs={"redo": redo}, queue=EXTRACT_QUEUE)
     log.info(
-        "generated shard %s: %d samples, %d completion tokens; quality gate: %s%s",
+        "generated shard %s: %d samples, %d completion tokens; quality gate: %s%s%s",
         shard_id,
         summary.num_samples,
         summary.completion_tokens,
         "; ".join(gate_summary(summary.gate)),
+        f"; {len(summary.poisoned)} dead-lettered" if summary.poisoned else "",
         " (already stored)" if summary.skipped else "",
     )
 
 
 @app.task(name=EXTRACT_TASK, base=LaneTask, bind=True)
-def extract_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str) -> None:
+def extract_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False) -> None:
     rt = runtime.current()
     _check_fingerprint(rt, fingerprint, shard_id)
-    with _lane_outcomes(self, rt, shard_id), BUSY["extract"].task() as timing:
-        summary = rt.lane("extract").run(shard_id)
+    with _transient_retries(self, rt, shard_id), BUSY["extract"].task() as timing:
+        summary = rt.lane("extract").run(shard_id, redo=redo)
+    _dead_letter_poisoned(self, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
     if not summary.skipped:
-        rt.ledger.add({**summary.counters(), "extract_busy_ms": timing.busy_ms})
+        _count_once(rt, self, "extract", shard_id, redo, {**summary.counters(), "extract_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.DONE)
     log.info(
-        "extracted shard %s: %d samples, %d tokens, %d bytes%s",
+        "extracted shard %s: %d samples, %d tokens, %d bytes%s%s",
         shard_id,
         summary.num_samples,
         summary.num_tokens,
         summary.num_bytes,
+        f"; {len(summary.poisoned)} dead-lettered" if summary.poisoned else "",
         " (already stored)" if summary.skipped else "",
     )

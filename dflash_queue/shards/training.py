@@ -107,10 +107,12 @@ def write_training_shard(
     info: ShardInfo,
     *,
     dropped: Sequence[tuple[str, Verdict]] = (),
+    dead: Sequence[str] = (),
 ) -> None:
-    """Write one shard. `dropped`: (id, verdict) of samples the quality gate left out; a shard may be empty
-    only when every one of its samples was dropped."""
-    if not samples and not dropped:
+    """Write one shard. `dropped`: (id, verdict) of samples the quality gate left out; `dead`: ids of samples
+    left out because they alone made the engine fail (each has a dead letter). A shard may be empty only when
+    every one of its samples was dropped or is dead."""
+    if not samples and not dropped and not dead:
         raise ShardFormatError("refusing to write an empty shard")
     for sample in samples:
         validate_sample(sample, info)
@@ -141,6 +143,7 @@ def write_training_shard(
     metadata["thinking"] = json.dumps([s.thinking for s in samples])
     metadata["quality"] = json.dumps([quality_entry(s.quality) for s in samples])
     metadata["dropped"] = json.dumps([{"id": i, "flags": list(v.flags)} for i, v in dropped])
+    metadata["dead_lettered"] = json.dumps(list(dead))
     save_file(tensors, str(path), metadata=metadata)
 
 

@@ -21,6 +21,7 @@ from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import prompts_key, shard_key
 from dflash_queue.testing.configs import tiny_vllm_overrides
+from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,7 +66,7 @@ def test_worker_refuses_to_start_without_credentials(make_config, s3_tables, sta
 
 
 def test_warm_shutdown_stores_or_requeues_every_shard(make_config, s3_tables, start_worker, redis_url, tmp_path):
-    config = make_config(**s3_tables, **{"generate.sampling": {"max_tokens": 12}})
+    config = make_config(**s3_tables, **{"generate.sampling": {"max_tokens": 12}}, quality=FLAG_EVERYTHING)
     configure_app(config)
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20)

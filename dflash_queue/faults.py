@@ -1,0 +1,51 @@
+"""Fault injection for fault tests and drills: faults named in the `DFQ_INJECT_FAULTS` environment variable.
+
+A JSON object, read once per process:
+  {"extract_poison": ["<sample id>", ...]}   the extract engine "crashes" on any batch holding one of these
+  {"generate_poison": ["<sample id>", ...]}  the same for the generate engine
+  {"task_delay_s": 2.0}                      every lane task sleeps this long before its work
+
+Unset (always, in production), every check is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable
+from functools import cache
+
+from dflash_queue.errors import SampleDependentError
+
+ENV = "DFQ_INJECT_FAULTS"
+
+
+class InjectedFault(SampleDependentError):
+    """A crash the fault-injection hook caused on purpose."""
+
+
+@cache
+def _faults() -> dict:
+    text = os.environ.get(ENV, "")
+    if not text:
+        return {}
+    faults = json.loads(text)
+    if not isinstance(faults, dict):
+        raise ValueError(f"{ENV} must be a JSON object, got {text!r}")
+    return faults
+
+
+def check_poison(lane: str, sample_ids: Iterable[str]) -> None:
+    poison = set(_faults().get(f"{lane}_poison", ()))
+    if not poison:
+        return
+    hit = tuple(i for i in sample_ids if i in poison)
+    if hit:
+        raise InjectedFault(f"injected {lane} engine crash on sample(s) {', '.join(hit)}", sample_ids=hit)
+
+
+def task_delay() -> None:
+    delay = float(_faults().get("task_delay_s", 0))
+    if delay > 0:
+        time.sleep(delay)

@@ -1,0 +1,129 @@
+"""Writing dead letters from a worker: failed tasks, poison samples, and messages that cannot be run.
+
+Malformed messages (bad JSON, content that is not JSON, an unknown task name, a message without task headers)
+never reach a task: Celery's consumer logs and drops them. `DeadLetteringConsumer` records each one first, so
+the operator sees it in `dflash-queue dead list` and the workers carry on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.worker.consumer import Consumer
+
+from dflash_queue.deadletters import MESSAGE, SAMPLE, TASK, DeadLetter, exception_fields, record_id
+from dflash_queue.queue import runtime
+from dflash_queue.queue.app import EXTRACT_TASK, GENERATE_TASK
+
+log = logging.getLogger(__name__)
+
+LANE_OF_TASK = {GENERATE_TASK: "generate", EXTRACT_TASK: "extract"}
+# Bytes of an undecodable body kept in its dead letter.
+BODY_CHARS = 2000
+
+
+def _store(record: DeadLetter) -> None:
+    try:
+        runtime.current().dead_letters.add(record)
+        log.error("dead letter %s: %s: %s", record.id, record.exc_type, record.message)
+    except Exception:  # bookkeeping must never hide the failure it records
+        log.exception("could not record dead letter %s", record.id)
+
+
+def shard_of(args: Any, kwargs: Any) -> str:
+    """The shard id a lane task was called for, if its arguments are well-formed enough to tell."""
+    value = args[0] if isinstance(args, (list, tuple)) and args else (kwargs or {}).get("shard_id", "")
+    return value if isinstance(value, str) else ""
+
+
+def dead_letter_task(
+    task_name: str, args: Any, kwargs: Any, exc: BaseException, *, deliveries: int, worker: str
+) -> DeadLetter:
+    lane = LANE_OF_TASK.get(task_name, "unknown")
+    shard_id = shard_of(args, kwargs)
+    record = DeadLetter(
+        id=record_id(TASK, lane, shard_id) if shard_id else record_id(MESSAGE, lane, task_id=str(id(exc))),
+        kind=TASK if shard_id else MESSAGE,
+        lane=lane,
+        task=task_name,
+        shard_id=shard_id,
+        args=list(args) if isinstance(args, (list, tuple)) else [repr(args)],
+        kwargs=dict(kwargs) if isinstance(kwargs, dict) else {},
+        deliveries=deliveries,
+        worker=worker,
+        **exception_fields(exc),
+    )
+    _store(record)
+    return record
+
+
+def dead_letter_samples(
+    task_name: str,
+    args: Any,
+    kwargs: Any,
+    poisoned: tuple[tuple[str, BaseException], ...],
+    *,
+    deliveries: int,
+    worker: str,
+) -> None:
+    lane = LANE_OF_TASK[task_name]
+    shard_id = shard_of(args, kwargs)
+    for sample_id, exc in poisoned:
+        _store(
+            DeadLetter(
+                id=record_id(SAMPLE, lane, shard_id, [sample_id]),
+                kind=SAMPLE,
+                lane=lane,
+                task=task_name,
+                shard_id=shard_id,
+                args=list(args),
+                kwargs=dict(kwargs),
+                sample_ids=[sample_id],
+                deliveries=deliveries,
+                worker=worker,
+                **exception_fields(exc),
+            )
+        )
+
+
+def dead_letter_message(message: Any, exc: BaseException | None, reason: str) -> None:
+    headers = getattr(message, "headers", None) or {}
+    delivery = getattr(message, "delivery_info", None) or {}
+    task_id = str(headers.get("id") or getattr(message, "delivery_tag", "") or "?")
+    lane = str(delivery.get("routing_key") or "")
+    body = getattr(message, "body", b"")
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    fields = exception_fields(exc) if exc is not None else {"exc_type": reason, "message": reason, "traceback": ""}
+    _store(
+        DeadLetter(
+            id=record_id(MESSAGE, lane, task_id=task_id),
+            kind=MESSAGE,
+            lane=lane or "unknown",
+            task=str(headers.get("task") or ""),
+            args=[str(body)[:BODY_CHARS]],
+            kwargs={"content_type": str(getattr(message, "content_type", "")), "reason": reason},
+            **fields,
+        )
+    )
+
+
+class DeadLetteringConsumer(Consumer):
+    """Celery's consumer, recording a dead letter for each message it cannot run before dropping it."""
+
+    def on_decode_error(self, message, exc):
+        dead_letter_message(message, exc, "undecodable message")
+        return super().on_decode_error(message, exc)
+
+    def on_unknown_message(self, body, message):
+        dead_letter_message(message, None, "message without task headers")
+        return super().on_unknown_message(body, message)
+
+    def on_unknown_task(self, body, message, exc):
+        dead_letter_message(message, exc, "unknown task")
+        return super().on_unknown_task(body, message, exc)
+
+    def on_invalid_task(self, body, message, exc):
+        dead_letter_message(message, exc, "invalid task message")
+        return super().on_invalid_task(body, message, exc)

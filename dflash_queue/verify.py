@@ -1,0 +1,144 @@
+"""Accounting for every sample of a dataset: done, flagged, dropped by the quality gate, filtered, or dead.
+
+The dataset is read the way the producer reads it (same de-duplication, thinking policy, length filter and
+sharding), so each staged sample has a known shard. Each shard's training file says which samples it holds and
+which the quality gate dropped (its header only is read); dead letters name the samples that failed. A sample
+found nowhere is missing; a sample found in two places is duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash_queue.config import Config
+from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
+from dflash_queue.ledger import Ledger
+from dflash_queue.producer import EnqueueReport, batched, build_length_filter, iter_samples
+from dflash_queue.shards.prompts import prompt_shard_id
+from dflash_queue.shards.ranges import open_source, read_layout
+from dflash_queue.storage import Storage, open_storage
+from dflash_queue.storage.keys import SHARDS, shard_id_of, shard_key
+
+# How many missing or duplicated ids a report lists in full.
+LISTED = 50
+
+
+@dataclass
+class VerifyReport:
+    staged: int = 0
+    done: int = 0
+    flagged: int = 0
+    dropped: int = 0
+    dead: int = 0
+    # Accounted for before staging: exact duplicates of another record, too long for the context, unreadable.
+    duplicates_in_dataset: int = 0
+    too_long: int = 0
+    bad_records: int = 0
+    # sample id -> its shard and that shard's ledger state (queued, generated, failed, or unknown).
+    missing: dict[str, str] = field(default_factory=dict)
+    # sample id -> every place it was found.
+    duplicated: dict[str, list[str]] = field(default_factory=dict)
+    unreadable_shards: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and not self.duplicated and not self.unreadable_shards
+
+    def lines(self) -> list[str]:
+        out = [
+            f"staged samples: {self.staged}",
+            f"  done: {self.done} (of which flagged by the quality gate: {self.flagged})",
+            f"  dropped by the quality gate: {self.dropped}",
+            f"  dead letters: {self.dead}",
+            f"  missing: {len(self.missing)}",
+            f"  duplicated: {len(self.duplicated)}",
+            f"filtered before staging: {self.duplicates_in_dataset} exact duplicates, {self.too_long} too long, "
+            f"{self.bad_records} bad records",
+        ]
+        for key, error in self.unreadable_shards.items():
+            out.append(f"unreadable shard {key}: {error}")
+        for sample_id, where in list(self.missing.items())[:LISTED]:
+            out.append(f"missing {sample_id}: {where}")
+        for sample_id, places in list(self.duplicated.items())[:LISTED]:
+            out.append(f"duplicated {sample_id}: {', '.join(places)}")
+        return out
+
+
+def expected_shards(config: Config, datasets: Iterable[str | Path], report: VerifyReport) -> dict[str, list[str]]:
+    """shard id -> sample ids, exactly as the producer stages them."""
+    enqueue = EnqueueReport()
+    samples = iter_samples(config, datasets, enqueue, build_length_filter(config))
+    shards = {prompt_shard_id(group): [s.id for s in group] for group in batched(samples, config.dataset.shard_size)}
+    report.staged = enqueue.staged
+    report.duplicates_in_dataset = enqueue.duplicates
+    report.too_long = enqueue.too_long.total
+    report.bad_records = enqueue.problems.total
+    return shards
+
+
+def shard_contents(storage: Storage, key: str) -> tuple[list[str], list[int], list[str]]:
+    """(sample ids, indices of flagged samples, ids dropped by the quality gate) from a shard's header."""
+    source = open_source(storage, key)
+    try:
+        meta = read_layout(source).metadata
+    finally:
+        source.close()
+    ids = json.loads(meta.get("sample_ids", "[]"))
+    quality = json.loads(meta.get("quality", "[]"))
+    flagged = [i for i, entry in enumerate(quality) if entry.get("flags")]
+    dropped = [entry["id"] for entry in json.loads(meta.get("dropped", "[]"))]
+    return ids, flagged, dropped
+
+
+def verify(
+    config: Config,
+    datasets: Iterable[str | Path],
+    *,
+    storage: Storage | None = None,
+    ledger: Ledger | None = None,
+    dead_letters: DeadLetters | None = None,
+) -> VerifyReport:
+    report = VerifyReport()
+    storage = storage or open_storage(config.storage)
+    ledger = ledger or Ledger.from_url(config.broker.url, config.run.name)
+    dead_letters = dead_letters or DeadLetters.from_url(config.broker.url, config.run.name)
+    expected = expected_shards(config, datasets, report)
+    found: dict[str, list[str]] = defaultdict(list)
+
+    stored = {shard_id_of(k) for k in storage.list(SHARDS + "/") if k.endswith(".safetensors")}
+    for shard_id in sorted(stored & expected.keys()):
+        key = shard_key(shard_id)
+        try:
+            ids, flagged, dropped = shard_contents(storage, key)
+        except Exception as exc:  # a corrupt or truncated shard is reported, the rest still checked
+            report.unreadable_shards[key] = f"{type(exc).__name__}: {exc}"
+            continue
+        for sample_id in ids:
+            found[sample_id].append(key)
+        for sample_id in dropped:
+            found[sample_id].append(f"{key} (dropped)")
+        report.done += len(ids)
+        report.flagged += len(flagged)
+        report.dropped += len(dropped)
+
+    for record in dead_letters.all():
+        sample_ids = record.sample_ids
+        if not sample_ids and record.kind in (TASK, SAMPLE):
+            sample_ids = expected.get(record.shard_id, [])
+        for sample_id in sample_ids:
+            found[sample_id].append(f"dead letter {record.id}")
+            report.dead += 1
+
+    states = ledger.states(expected.keys())
+    for shard_id, sample_ids in expected.items():
+        for sample_id in sample_ids:
+            places = found.get(sample_id, [])
+            if not places:
+                report.missing[sample_id] = f"shard {shard_id} ({states.get(shard_id, 'not enqueued')})"
+            elif len(places) > 1:
+                report.duplicated[sample_id] = places
+    return report

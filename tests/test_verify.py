@@ -1,0 +1,81 @@
+"""`verify`: every staged sample found exactly once among shards, quality-gate drops and dead letters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from dflash_queue.cli import main
+from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters, record_id
+from dflash_queue.ledger import Ledger
+from dflash_queue.producer import Producer
+from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.prompts import decode_prompts
+from dflash_queue.shards.training import ExtractedSample, ShardInfo, write_training_shard
+from dflash_queue.storage import open_storage
+from dflash_queue.storage.keys import prompts_key, shard_key
+
+REPO = Path(__file__).resolve().parent.parent
+SAMPLE_DATA = REPO / "examples" / "sharegpt_sample.jsonl"
+INFO = ShardInfo("tiny", (1, 2), 4, 8, "float32", "fp", {})
+
+
+def extracted(sample_id: str, flagged: bool) -> ExtractedSample:
+    return ExtractedSample(
+        id=sample_id,
+        input_ids=torch.arange(5, dtype=torch.int32),
+        loss_mask=torch.tensor([0, 0, 1, 1, 1], dtype=torch.uint8),
+        hidden_states=torch.randn(5, 2, 8),
+        finish_reason="stop",
+        thinking=False,
+        quality=Verdict(flags=("repetition",)) if flagged else None,
+    )
+
+
+def store_shard(storage, shard_id: str, ids: list[str], *, dropped=(), dead=()) -> None:
+    path = storage.root / "tmp.safetensors"
+    samples = [extracted(i, flagged=n == 0) for n, i in enumerate(ids)]  # the first of each flagged
+    write_training_shard(path, samples, INFO, dropped=[(i, Verdict()) for i in dropped], dead=dead)
+    storage.write_file(shard_key(shard_id), path)
+    path.unlink()
+
+
+def test_verify_finds_missing_duplicated_and_accounts_for_the_rest(make_config, redis_url, tmp_path):
+    config = make_config(dataset={"shard_size": 4, "thinking": "never"})
+    dataset = tmp_path / "prompts.jsonl"
+    lines = SAMPLE_DATA.read_text().splitlines()[:12]
+    dataset.write_text("\n".join([*lines, lines[0], "{not json"]) + "\n")  # one duplicate, one bad record
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    report = Producer(config, ledger).enqueue([dataset], send=lambda *args: None)
+    storage = open_storage(config.storage)
+    shards = [[s.id for s in decode_prompts(storage.read_bytes(prompts_key(i)), what=i)] for i in report.shard_ids]
+    assert [len(s) for s in shards] == [4, 4, 4]
+    first, second, third = report.shard_ids
+    dead = DeadLetters.from_url(redis_url, config.run.name)
+
+    # Shard 1 whole; shard 2: two samples, one dropped by the gate, one dead-lettered as poison;
+    # shard 3 failed as a task.
+    store_shard(storage, first, shards[0])
+    store_shard(storage, second, shards[1][:2], dropped=[shards[1][2]], dead=[shards[1][3]])
+    dead.add(DeadLetter(record_id(SAMPLE, "extract", second, [shards[1][3]]), SAMPLE, "extract", "dfq.extract",
+                        second, sample_ids=[shards[1][3]], exc_type="InjectedFault"))
+    dead.add(DeadLetter(record_id(TASK, "generate", third), TASK, "generate", "dfq.generate", third))
+
+    result = CliRunner().invoke(main, ["verify", str(dataset), "-c", config.source])
+    assert result.exit_code == 0, result.output
+    assert "staged samples: 12" in result.output
+    assert "done: 6 (of which flagged by the quality gate: 2)" in result.output
+    assert "dropped by the quality gate: 1" in result.output and "dead letters: 5" in result.output
+    assert "1 exact duplicates" in result.output and "1 bad records" in result.output
+
+    # A sample lost (the shard-3 dead letter purged) and one written twice (into shard 1 again).
+    dead.remove([record_id(TASK, "generate", third)])
+    store_shard(storage, first, shards[0] + [shards[1][0]])
+    result = CliRunner().invoke(main, ["verify", str(dataset), "-c", config.source])
+    assert result.exit_code == 1
+    assert "missing: 4" in result.output and "duplicated: 1" in result.output
+    assert f"missing {shards[2][0]}: shard {third} (queued)" in result.output
+    places = ", ".join(sorted(f"shards/{i}.safetensors" for i in (first, second)))
+    assert f"duplicated {shards[1][0]}: {places}" in result.output
