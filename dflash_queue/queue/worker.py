@@ -34,6 +34,7 @@ import socket
 from celery import signals
 
 from dflash_queue.config import Config
+from dflash_queue.deadletters import DeadLetters
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, GENERATE_QUEUE, configure_app
@@ -118,6 +119,7 @@ def run_worker(
         ledger=Ledger.from_url(config.broker.url, config.run.name),
         lanes={lane: build_lane(config, lane, storage)},
         storage=storage,
+        dead_letters=DeadLetters.from_url(config.broker.url, config.run.name),
     )
     runtime.install(rt)
     signals.worker_shutting_down.connect(_begin_shutdown, weak=False)
