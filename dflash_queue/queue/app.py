@@ -23,6 +23,10 @@ def celery_settings(config: Config) -> dict:
         )
     transport = {
         "visibility_timeout": config.broker.visibility_timeout_s,
+        # Messages of workers that died come back once older than the visibility timeout; look for them
+        # every minute (or a quarter of a short timeout), not kombu's default of every 100 s.
+        "unacked_restore_interval": max(1, min(60, config.broker.visibility_timeout_s // 4)),
+        "unacked_restore_throttle": 1,
         # Redis can drop idle connections behind NAT or proxies; keep them alive and notice breaks.
         "socket_keepalive": True,
         "health_check_interval": 25,
