@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoConfig, AutoModel
+from transformers import AttentionInterface, AutoModel
 
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
 from dflash_queue.engines.layers import resolve_layer_ids
@@ -106,12 +106,44 @@ class HiddenStateExtractor:
         attn_implementation: str = "sdpa",
         pin_memory: bool = True,
     ) -> None:
+        resolved = resolve_device(device)
+        model = AutoModel.from_pretrained(
+            model_path, dtype=resolve_dtype(dtype, resolved), attn_implementation=_backend(attn_implementation)
+        )
+        self._attach(model.to(resolved), layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: nn.Module,
+        *,
+        layer_ids: Sequence[int] = (),
+        num_draft_layers: int = 5,
+        token_budget: int = 16384,
+        attn_implementation: str = "sdpa",
+        pin_memory: bool = True,
+    ) -> HiddenStateExtractor:
+        """An extractor around a base model already in memory, on its device and in its dtype. The model is
+        changed in place: layers above the highest captured one are dropped and the attention backend is set."""
+        model.set_attn_implementation(_backend(attn_implementation))
+        extractor = cls.__new__(cls)
+        extractor._attach(model, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory)
+        return extractor
+
+    def _attach(
+        self,
+        model: nn.Module,
+        layer_ids: Sequence[int],
+        num_draft_layers: int,
+        token_budget: int,
+        attn_implementation: str,
+        pin_memory: bool,
+    ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        model_config = AutoConfig.from_pretrained(model_path)
-        text_config = model_config.get_text_config()
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, parameter.dtype
+        text_config = model.config.get_text_config()
         self.num_model_layers: int = text_config.num_hidden_layers
         self.hidden_size: int = text_config.hidden_size
         self.layer_ids = resolve_layer_ids(tuple(layer_ids), self.num_model_layers, num_draft_layers)
@@ -119,10 +151,7 @@ class HiddenStateExtractor:
         # Shrinks (and stays shrunk) when a forward pass runs out of device memory.
         self.effective_token_budget = token_budget
         self.attn_implementation = attn_implementation
-
-        backend = PACKED_SDPA if attn_implementation == "sdpa" else attn_implementation
-        model = AutoModel.from_pretrained(model_path, dtype=self.dtype, attn_implementation=backend)
-        self.model = _truncate_layers(model, max(self.layer_ids) + 1).to(self.device).eval()
+        self.model = _truncate_layers(model, max(self.layer_ids) + 1).eval()
         self._cuda = self.device.type == "cuda"
         self._pin = pin_memory and self._cuda
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -145,7 +174,8 @@ class HiddenStateExtractor:
         results: list[_PackResult] = []
         pending = list(range(len(requests)))
         while pending:
-            packs = [[pending[j] for j in pack] for pack in plan_packs([lengths[i] for i in pending], self.effective_token_budget)]
+            plan = plan_packs([lengths[i] for i in pending], self.effective_token_budget)
+            packs = [[pending[j] for j in pack] for pack in plan]
             failed: list[int] | None = None
             for number, pack in enumerate(packs):
                 try:
@@ -225,7 +255,9 @@ class HiddenStateExtractor:
         if self.attn_implementation == "flash_attention_2":
             offsets = torch.tensor(bounds, dtype=torch.int32, device=self.device)
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-            return {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest}
+            return {
+                "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest
+            }
         return {}  # Transformers derives a block-diagonal mask from the restarting position ids
 
     def _nonfinite_per_sequence(self, buffer: torch.Tensor, bounds: list[int]) -> torch.Tensor:
@@ -284,6 +316,10 @@ class HiddenStateExtractor:
 
     def _decoder_layers(self) -> nn.ModuleList:
         return self.model.layers
+
+
+def _backend(attn_implementation: str) -> str:
+    return PACKED_SDPA if attn_implementation == "sdpa" else attn_implementation
 
 
 def _truncate_layers(model: nn.Module, keep: int) -> nn.Module:

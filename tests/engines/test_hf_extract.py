@@ -12,9 +12,15 @@ def random_ids(count: int, seed: int, vocab: int = 500) -> list[int]:
     return torch.randint(10, vocab, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def fresh_extractor(tiny_model, **kwargs) -> HiddenStateExtractor:
+    return HiddenStateExtractor(
+        str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64, **kwargs
+    )
+
+
 @pytest.fixture(scope="module")
 def extractor(tiny_model):
-    return HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    return fresh_extractor(tiny_model)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +71,7 @@ MIXED_LENGTHS = [5, 17, 9, 30, 2, 1, 3, 90, 12, 7, 1, 25, 40, 4, 6]
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_batches_equal_samples_run_alone(tiny_model, reference, attn):
-    extractor = HiddenStateExtractor(
-        str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64, attn_implementation=attn
-    )
+    extractor = fresh_extractor(tiny_model, attn_implementation=attn)
     requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate(MIXED_LENGTHS)]
     log = ForwardLog(extractor.model)
     packed = extractor.extract(requests)
@@ -92,7 +96,7 @@ def test_an_empty_request_list_runs_nothing(extractor):
 
 
 def test_out_of_memory_shrinks_the_budget_and_retries(tiny_model, reference):
-    extractor = HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    extractor = fresh_extractor(tiny_model)
     requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate([24, 20, 12, 9, 5, 3, 1, 18])]
     log = ForwardLog(extractor.model, fail_above=24)
     states = extractor.extract(requests)
@@ -103,7 +107,7 @@ def test_out_of_memory_shrinks_the_budget_and_retries(tiny_model, reference):
 
 
 def test_out_of_memory_on_one_sequence_alone_names_the_sample(tiny_model):
-    extractor = HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    extractor = fresh_extractor(tiny_model)
     ForwardLog(extractor.model, fail_above=24)
     requests = [ExtractionRequest("short", random_ids(10, 0)), ExtractionRequest("long", random_ids(30, 1))]
     with pytest.raises(OutOfMemoryAtMinimumBudget, match="long") as caught:
@@ -112,7 +116,7 @@ def test_out_of_memory_on_one_sequence_alone_names_the_sample(tiny_model):
 
 
 def test_non_finite_hidden_states_name_the_sample_and_spare_its_pack_mates(tiny_model):
-    extractor = HiddenStateExtractor(str(tiny_model), layer_ids=(0, 2, 4), device="cpu", dtype="float32", token_budget=64)
+    extractor = fresh_extractor(tiny_model)
     poisoned_token = 999
     with torch.no_grad():
         extractor.model.embed_tokens.weight[poisoned_token] = float("nan")
