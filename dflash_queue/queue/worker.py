@@ -36,6 +36,7 @@ from celery import signals
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.ledger import Ledger
+from dflash_queue.ops.doctor.broker import durability_warnings
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, GENERATE_QUEUE, configure_app
 from dflash_queue.storage import Storage, open_storage
@@ -111,6 +112,8 @@ def run_worker(
     app = configure_app(config)
     concurrency = concurrency or default_concurrency(config, lane)
     _warn_if_engine_can_drain(config, lane, concurrency)
+    for warning in durability_warnings(config.broker.url):
+        log.warning("%s", warning)
     storage = open_checked_storage(config)
     log.info("loading the %s engine for %s", lane, config.model.display_name)
     rt = runtime.WorkerRuntime(

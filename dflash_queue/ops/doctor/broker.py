@@ -56,3 +56,20 @@ def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:
             )
         )
     return checks
+
+
+DURABILITY_CHECKS = ("broker AOF", "broker eviction")
+
+
+def durability_warnings(url: str, *, timeout_s: float = 5.0) -> list[str]:
+    """One line per setting that lets the broker lose queued messages (no AOF, an evicting memory policy).
+
+    Empty for a durable broker, and for one that does not answer: a worker's own connection reports that.
+    """
+    if not url:
+        return []
+    return [
+        f"{check.name}: {check.detail}"
+        for check in check_broker(url, timeout_s=timeout_s)
+        if check.name in DURABILITY_CHECKS and check.verdict != "pass"
+    ]

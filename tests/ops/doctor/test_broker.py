@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import redis
 
-from dflash_queue.ops.doctor.broker import check_broker
+from dflash_queue.ops.doctor.broker import check_broker, durability_warnings
 from dflash_queue.redis_server import RedisServer, free_port
+from dflash_queue.testing.jobs import connect
 
 
 def verdicts(checks) -> dict[str, str]:
@@ -34,3 +35,37 @@ def test_an_unreachable_or_missing_broker():
     assert [(c.name, c.verdict) for c in checks] == [("broker reachable", "fail")]
     assert ":***@" in checks[0].detail and ":pw@" not in checks[0].detail
     assert [c.verdict for c in check_broker("")] == ["warn"]
+
+
+def test_durability_warnings_name_each_unsafe_setting(redis_server, tmp_path):
+    assert durability_warnings(redis_server.url) == []
+    with RedisServer(tmp_path / "unsafe", appendonly=False) as server:
+        [no_aof] = durability_warnings(server.url)
+        assert no_aof.startswith("broker AOF: appendonly no")
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "allkeys-lru")
+        warnings = durability_warnings(server.url)
+        assert warnings[0] == no_aof
+        assert warnings[1].startswith("broker eviction: maxmemory-policy allkeys-lru")
+        assert len(warnings) == 2
+    # Reachability is the worker connection's business, not a durability warning.
+    assert durability_warnings(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1) == []
+    assert durability_warnings("") == []
+
+
+def test_worker_start_up_logs_a_warning_per_unsafe_setting(make_config, tmp_path, start_worker):
+    with RedisServer(tmp_path / "unsafe-broker", appendonly=False) as server:
+        redis.Redis.from_url(server.url).config_set("maxmemory-policy", "allkeys-lru")
+        config = make_config(broker={"url": server.url})
+        connect(config)
+        worker = start_worker(config, "generate")
+        log = worker.log_tail(100_000)
+        worker.stop(timeout=30)
+    connect(make_config())  # later tests talk to the session's broker again
+    lines = log.splitlines()
+    assert any(line.startswith("broker AOF: appendonly no") for line in lines), log[:3000]
+    assert any(line.startswith("broker eviction: maxmemory-policy allkeys-lru") for line in lines), log[:3000]
+
+
+def test_a_durable_broker_gives_the_worker_nothing_to_warn_about(make_config, start_worker):
+    worker = start_worker(make_config(), "generate")
+    assert "broker AOF" not in worker.log_tail(100_000) and "broker eviction" not in worker.log_tail(100_000)

@@ -1,0 +1,153 @@
+"""Running whole jobs in fault tests and drills: broker switching, workers that obey directory permissions,
+progress waits, and the exactly-once accounting of a job's output."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from celery import Celery
+
+from dflash_queue.config import Config
+from dflash_queue.data.readers import read_dataset
+from dflash_queue.data.samples import Sample
+from dflash_queue.ledger import Ledger
+from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.launcher import WorkerProcess
+from dflash_queue.shards.training import TrainingShard
+from dflash_queue.storage import open_storage
+from dflash_queue.storage.keys import SHARDS
+
+
+def first_lines(path: Path, count: int, out: Path) -> Path:
+    out.write_text("\n".join(path.read_text().splitlines()[:count]) + "\n")
+    return out
+
+
+def dataset_ids(dataset: Path) -> set[str]:
+    return {s.id for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)}
+
+
+def connect(config: Config) -> Celery:
+    """Point the Celery app at `config`'s broker, dropping connections pooled for another broker."""
+    app = configure_app(config)
+    pool = app._pool
+    if pool is not None:
+        pool.force_close_all()
+        app._pool = None
+    amqp = app.__dict__.get("amqp")
+    if amqp is not None and amqp._producer_pool is not None:
+        amqp._producer_pool.force_close_all()
+        amqp._producer_pool = None
+    control = app.__dict__.get("control")
+    if control is not None:
+        control.mailbox.__dict__.pop("producer_pool", None)
+    return app
+
+
+def root_bypass_dropped() -> list[str]:
+    """A command prefix under which directory permissions bind the process: empty for a normal user; for root,
+    `setpriv` without the capabilities that let root write into a read-only (0o555) directory."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        raise RuntimeError("running as root: need setpriv (util-linux) to start processes that obey permissions")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
+
+
+class LaneWorker(WorkerProcess):
+    """A `dflash-queue worker` subprocess started under a command prefix (see `root_bypass_dropped`)."""
+
+    def __init__(
+        self, lane: str, config: Config, log_path: Path, *, hostname: str, prefix: list[str], env: dict | None = None
+    ) -> None:
+        self.lane = lane
+        self.log_path = log_path
+        self.hostname = hostname
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")
+        args = [*prefix, sys.executable, "-m", "dflash_queue", "worker", lane, "-c", str(config.source)]
+        self.process = subprocess.Popen(
+            [*args, "--hostname", hostname],
+            env={**os.environ, **(env or {})},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+@contextmanager
+def read_only(directory: Path) -> Iterator[None]:
+    """Make `directory` read-only (0o555) for the duration, then writable again."""
+    mode = directory.stat().st_mode & 0o7777
+    directory.chmod(0o555)
+    try:
+        yield
+    finally:
+        directory.chmod(mode)
+
+
+def wait_until(predicate, timeout: float, what: str, workers: Iterable[WorkerProcess] = (), poll_s: float = 0.2):
+    """Poll `predicate` until it returns something truthy; fail early if a worker died."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        for worker in workers:
+            if not worker.alive():
+                raise AssertionError(f"{worker.lane} worker died while waiting for {what}:\n{worker.log_tail()}")
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {w.lane}\n{w.log_tail()}" for w in workers)
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+        time.sleep(poll_s)
+
+
+def done_count(ledger: Ledger, shard_ids: Iterable[str], done: str = "done") -> int:
+    states = ledger.states(list(shard_ids))
+    return sum(1 for state in states.values() if state == done)
+
+
+def stored_sample_ids(config: Config) -> Counter[str]:
+    """How often each sample id occurs across the stored training shards, kept or dropped by the quality gate."""
+    storage = open_storage(config.storage)
+    seen: Counter[str] = Counter()
+    for key in storage.list(SHARDS + "/"):
+        if not key.endswith(".safetensors"):
+            continue
+        with storage.local_copy(key) as path:
+            shard = TrainingShard(path)
+            seen.update(shard.sample_ids)
+            seen.update(entry["id"] for entry in shard.dropped)
+    return seen
+
+
+def exactly_once_problems(config: Config, dataset: Path) -> list[str]:
+    """Empty when every sample of `dataset` is in exactly one stored shard and nothing else is; otherwise what
+    is wrong. Checked twice: from the shards themselves, and by `dflash_queue.verify`."""
+    from dflash_queue.verify import verify
+
+    expected = dataset_ids(dataset)
+    seen = stored_sample_ids(config)
+    problems = []
+    missing = expected - set(seen)
+    duplicated = {i: n for i, n in seen.items() if n > 1}
+    strangers = set(seen) - expected
+    if missing:
+        problems.append(f"{len(missing)} samples in no shard: {sorted(missing)[:10]}")
+    if duplicated:
+        problems.append(f"{len(duplicated)} samples in several shards: {dict(list(duplicated.items())[:10])}")
+    if strangers:
+        problems.append(f"{len(strangers)} stored samples not in the dataset: {sorted(strangers)[:10]}")
+    report = verify(config, [dataset])
+    if not report.ok:
+        problems.append("verify: " + "; ".join(report.lines()))
+    return problems
