@@ -221,12 +221,8 @@ class HiddenStateExtractor:
     def _run_pack(self, pack: list[int], requests: Sequence[ExtractionRequest]) -> _PackResult:
         lengths = [len(requests[i].input_ids) for i in pack]
         bounds = cu_seqlens(lengths)
-        ids = torch.tensor([t for i in pack for t in requests[i].input_ids], dtype=torch.long).unsqueeze(0)
-        positions = packed_position_ids(lengths)
-        if self._pin:
-            ids, positions = ids.pin_memory(), positions.pin_memory()
-        ids = ids.to(self.device, non_blocking=True)
-        positions = positions.to(self.device, non_blocking=True)
+        ids = self._to_device(torch.tensor([t for i in pack for t in requests[i].input_ids]).unsqueeze(0))
+        positions = self._to_device(packed_position_ids(lengths))
         buffer = torch.empty((bounds[-1], len(self.layer_ids), self.hidden_size), dtype=self.dtype, device=self.device)
         self._buffer = buffer
         try:
@@ -249,11 +245,17 @@ class HiddenStateExtractor:
             ready = self._copy_stream.record_event()
         return _PackResult(pack, bounds, host, host_nonfinite, ready)
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Host to device without making the host wait for the queued kernels (from pinned memory on CUDA)."""
+        if self._pin:
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
+
     def _attention_kwargs(self, bounds: list[int]) -> dict:
         if self.attn_implementation == "sdpa":
             return {"packed_bounds": tuple(bounds)}
         if self.attn_implementation == "flash_attention_2":
-            offsets = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+            offsets = self._to_device(torch.tensor(bounds, dtype=torch.int32))
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
             return {
                 "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest
@@ -267,7 +269,7 @@ class HiddenStateExtractor:
             finite &= torch.isfinite(buffer[:, k]).all(dim=1)
         bad_tokens = (~finite).to(torch.int32)
         running = torch.nn.functional.pad(bad_tokens.cumsum(0, dtype=torch.int32), (1, 0))
-        offsets = torch.tensor(bounds, device=buffer.device)
+        offsets = self._to_device(torch.tensor(bounds))
         return running[offsets[1:]] - running[offsets[:-1]]
 
     def _recover_from_oom(self, pack: list[int], requests: Sequence[ExtractionRequest], lengths: list[int]) -> None:
