@@ -1,7 +1,13 @@
-"""Local-filesystem storage: temp file in the target directory, fsync, then rename."""
+"""Local-filesystem storage: temp file in the target directory, fsync, then rename.
+
+Errors that an operator or the system can clear while the job waits (a full or read-only volume, a directory
+made unwritable, a network mount that went away) raise StorageUnavailable, which tasks retry with backoff;
+anything else raises StorageError.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -9,7 +15,35 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dflash_queue.errors import StorageError
+from dflash_queue.errors import StorageError, StorageUnavailable
+
+# errno values of a store that may come back: permissions changed under the job, a volume remounted read-only
+# or full (space or quota), an I/O error, a network file system's stale handle or lost server.
+TRANSIENT_ERRNOS = frozenset(
+    code
+    for code in (
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EIO,
+        getattr(errno, "ESTALE", None),
+        errno.ETIMEDOUT,
+        errno.ENOTCONN,
+    )
+    if code is not None
+)
+
+
+def storage_error(url: str, action: str, key: str, exc: OSError) -> StorageError:
+    """StorageUnavailable for an error that may clear (naming the path and errno), StorageError otherwise."""
+    code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+    where = exc.filename or key
+    message = f"{url}: cannot {action} {key}: {code} ({exc.strerror or exc}) on {where}"
+    if exc.errno in TRANSIENT_ERRNOS:
+        return StorageUnavailable(message)
+    return StorageError(message)
 
 
 class LocalStorage:
@@ -31,7 +65,7 @@ class LocalStorage:
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
+            raise storage_error(self.url, "read", key, exc) from exc
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         if start < 0 or length < 0:
@@ -48,7 +82,7 @@ class LocalStorage:
         except FileNotFoundError:
             raise
         except OSError as exc:
-            raise StorageError(f"{self.url}: cannot read {key}: {exc}") from exc
+            raise storage_error(self.url, "read", key, exc) from exc
         if len(data) != length:
             raise StorageError(
                 f"{self.url}: {key} holds {size} bytes, fewer than the range [{start}, {start + length}) asked"
@@ -94,7 +128,7 @@ class LocalStorage:
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
         except OSError as exc:
-            raise StorageError(f"{self.url}: cannot write {key}: {exc}") from exc
+            raise storage_error(self.url, "write", key, exc) from exc
         try:
             with os.fdopen(fd, "wb") as handle:
                 yield handle
@@ -105,7 +139,7 @@ class LocalStorage:
             with _suppress_oserror():
                 os.unlink(tmp_name)
             if isinstance(exc, OSError):
-                raise StorageError(f"{self.url}: cannot write {key}: {exc}") from exc
+                raise storage_error(self.url, "write", key, exc) from exc
             raise
 
     def __repr__(self) -> str:

@@ -1,12 +1,17 @@
 from __future__ import annotations
 
+import errno
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from dflash_queue.errors import ConfigError, StorageError
+from dflash_queue.errors import ConfigError, StorageError, StorageUnavailable
 from dflash_queue.storage import LocalStorage, Storage, open_storage
+from dflash_queue.storage.local import storage_error
 
 
 def test_local_storage_round_trip_and_listing(tmp_path):
@@ -88,3 +93,69 @@ def test_read_range_reads_exactly_the_bytes_asked(tmp_path):
         storage.read_range("shards/r.safetensors", -1, 5)
     with pytest.raises(FileNotFoundError):
         storage.read_range("shards/missing.safetensors", 0, 1)
+
+
+@pytest.mark.parametrize(
+    "code", [errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ESTALE]
+)
+def test_errors_a_store_recovers_from_are_unavailable_and_name_path_and_errno(code):
+    exc = OSError(code, os.strerror(code), "/data/run/shards/.tmp-abc")
+    error = storage_error("/data/run", "write", "shards/s.safetensors", exc)
+    assert isinstance(error, StorageUnavailable)
+    assert errno.errorcode[code] in str(error) and "/data/run/shards/.tmp-abc" in str(error)
+    assert "cannot write shards/s.safetensors" in str(error)
+
+
+@pytest.mark.parametrize("code", [errno.ENOTDIR, errno.EEXIST, errno.EFBIG, errno.ENAMETOOLONG])
+def test_errors_a_retry_cannot_fix_stay_plain_storage_errors(code):
+    error = storage_error("/data/run", "write", "k", OSError(code, os.strerror(code)))
+    assert type(error) is StorageError and errno.errorcode[code] in str(error)
+
+
+# Runs in a child process: directory permissions must bind it even as root (see root_bypass_dropped), and a
+# file-size limit must not touch the test runner.
+WRITER = r"""
+import json, os, resource, signal, sys
+from dflash_queue.errors import StorageUnavailable
+from dflash_queue.storage.local import LocalStorage
+storage = LocalStorage(sys.argv[1])
+out = {}
+try:
+    storage.write_bytes("shards/new.bin", b"x" * 100)
+except StorageUnavailable as exc:
+    out["read_only"] = str(exc)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    storage.write_bytes("old/v.bin", b"y" * 10_000)
+except Exception as exc:
+    out["too_big"] = f"{type(exc).__name__}: {exc}"
+print(json.dumps(out))
+"""
+
+
+def test_a_read_only_directory_is_unavailable_and_a_failed_write_leaves_nothing(tmp_path):
+    from dflash_queue.testing.jobs import read_only, root_bypass_dropped
+
+    root = tmp_path / "root"
+    storage = LocalStorage(root)
+    storage.write_bytes("shards/done.bin", b"done")
+    storage.write_bytes("old/v.bin", b"old")
+    with read_only(root / "shards"):
+        result = subprocess.run(
+            [*root_bypass_dropped(), sys.executable, "-c", WRITER, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        out = json.loads(result.stdout)
+        assert "EACCES" in out["read_only"] and str(root / "shards") in out["read_only"]
+        assert sorted(p.name for p in (root / "shards").iterdir()) == ["done.bin"]
+    # A write cut off half way (the file-size limit) keeps the old object whole and leaves no temp file.
+    assert out["too_big"].startswith("StorageError: ") and "EFBIG" in out["too_big"]
+    assert storage.read_bytes("old/v.bin") == b"old"
+    assert [p.name for p in (root / "old").iterdir()] == ["v.bin"]
+    # Writable again: the same write succeeds.
+    storage.write_bytes("shards/new.bin", b"x" * 100)
+    assert storage.read_bytes("shards/new.bin") == b"x" * 100
