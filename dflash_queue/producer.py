@@ -6,6 +6,11 @@ Re-running it is safe: a shard whose training file exists is done, and a shard t
 in progress already has a message; both are skipped. Shard ids derive from sample ids, so the same dataset
 always makes the same shards.
 
+Rebuild (`rebuild=True`, `enqueue --rebuild`): after the broker was lost or restored from an old copy, the
+ledger may show shards queued whose messages are gone. Storage alone then decides: every shard without a
+training file is sent again. Tasks are idempotent (a shard whose completions are stored goes straight to
+extraction), so a shard that still had a message costs one skipped delivery, never a second copy.
+
 Speed: token counting is batched through the fast tokenizer (on a second thread); shards are handled in
 groups, with one ledger read and one ledger write per group, and a group's prompt files are written by a
 thread pool while the next group is read. A shard's message is sent only once its prompt file is stored, and
@@ -57,6 +62,9 @@ class EnqueueReport:
     enqueued: int = 0
     skipped_done: int = 0
     skipped_queued: int = 0
+    # Rebuild only: shards sent again although the ledger showed them queued or in progress.
+    resent_in_progress: int = 0
+    rebuild: bool = False
     shard_ids: list[str] = field(default_factory=list)
     pending_samples: int = 0
     problems: ProblemLog = field(default_factory=ProblemLog)
@@ -73,9 +81,18 @@ class EnqueueReport:
                 f"prompt tokens: {self.prompt_tokens} (mean {self.prompt_tokens / self.staged:.0f}, "
                 f"max {self.max_prompt_tokens})"
             )
+        if self.rebuild:
+            shards = (
+                f"shards: {self.shards} ({self.enqueued} enqueued, {self.skipped_done} already done; rebuild: "
+                f"ledger ignored, {self.resent_in_progress} of those enqueued it showed queued or in progress)"
+            )
+        else:
+            shards = (
+                f"shards: {self.shards} ({self.enqueued} enqueued, {self.skipped_done} already done, "
+                f"{self.skipped_queued} already queued)"
+            )
         out += [
-            f"shards: {self.shards} ({self.enqueued} enqueued, {self.skipped_done} already done, "
-            f"{self.skipped_queued} already queued)",
+            shards,
             f"bad records: {self.problems.total}",
         ]
         out.extend("  " + line for line in self.problems.lines())
@@ -164,10 +181,14 @@ class Producer:
         *,
         on_shard: Callable[[int], None] | None = None,
         send: Callable[[str, int, str], None] | None = None,
+        rebuild: bool = False,
     ) -> EnqueueReport:
-        """Stage and enqueue every shard not done or queued. `on_shard(n_samples)` reports progress."""
+        """Stage and enqueue every shard not done or queued. `on_shard(n_samples)` reports progress.
+
+        `rebuild`: ignore the ledger and enqueue every shard whose training file is not in storage.
+        """
         send = send or _send_generate
-        report = EnqueueReport()
+        report = EnqueueReport(rebuild=rebuild)
         done = {shard_id_of(key) for key in self.storage.list(SHARDS + "/")}
         samples = iter_samples(self.config, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
@@ -199,12 +220,14 @@ class Producer:
         for shard_id, shard in zip(shard_ids, group):
             report.shards += 1
             report.shard_ids.append(shard_id)
+            in_progress = states.get(shard_id) in IN_PROGRESS_OR_DONE
             if shard_id in done:
                 report.skipped_done += 1
-            elif states.get(shard_id) in IN_PROGRESS_OR_DONE:
+            elif in_progress and not report.rebuild:
                 report.skipped_queued += 1
                 report.pending_samples += len(shard)
             else:
+                report.resent_in_progress += int(in_progress)  # only a rebuild gets here with one
                 # Content-addressed key: rewriting it writes the same bytes, so no existence check is needed.
                 data = encode_prompts(shard)
                 staged.writes.append(pool.submit(self.storage.write_bytes, prompts_key(shard_id), data))

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import redis
 
-from dflash_queue.ledger import DONE, QUEUED, Ledger
+from dflash_queue.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
 from dflash_queue.shards.prompts import decode_prompts
@@ -125,3 +127,41 @@ def test_auto_thinking_and_all_turns_reach_the_staged_shards(make_config, redis_
     assert 0 < report.thinking_on == sum(s.thinking for s in staged) < len(staged)
     assert all(s.regenerate == "all" and s.messages[-1].is_slot for s in staged)
     assert sum(s.num_turns for s in staged) > len(staged)
+
+
+def test_rebuild_resends_every_shard_not_in_storage_whatever_the_ledger_says(make_config, redis_url):
+    """A broker restored from an old copy: the ledger shows shards queued whose messages are gone."""
+    config = make_config()
+    configure_app(config)
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    first = Producer(config, ledger).enqueue([SAMPLE])
+    storage = open_storage(config.storage.url)
+    storage.write_bytes(shard_key(first.shard_ids[0]), b"done")
+    ledger.set_state(first.shard_ids[1], GENERATED)
+    redis.Redis.from_url(redis_url).delete(GENERATE_QUEUE)
+
+    unchanged = Producer(config, ledger).enqueue([SAMPLE])
+    assert unchanged.enqueued == 0 and unchanged.skipped_queued == 6 and queued_messages(redis_url) == []
+
+    rebuilt = Producer(config, ledger).enqueue([SAMPLE], rebuild=True)
+    assert rebuilt.enqueued == 6 and rebuilt.skipped_done == 1 and rebuilt.resent_in_progress == 6
+    assert rebuilt.skipped_queued == 0 and rebuilt.pending_samples == 50 - 8
+    sent = [message["headers"]["argsrepr"] for message in queued_messages(redis_url)]
+    assert len(sent) == 6 and all(first.shard_ids[0] not in args for args in sent)
+    assert set(ledger.states(first.shard_ids[1:]).values()) == {QUEUED}
+    assert "rebuild: ledger ignored, 6 of those enqueued it showed queued or in progress" in "\n".join(rebuilt.lines())
+
+
+def test_enqueue_command_rebuild_flag(make_config, redis_url):
+    config = make_config()
+    configure_app(config)
+    Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([SAMPLE])
+    redis.Redis.from_url(redis_url).delete(GENERATE_QUEUE)
+    command = [sys.executable, "-m", "dflash_queue", "enqueue", str(SAMPLE), "-c", str(config.source)]
+    plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    assert "shards: 7 (0 enqueued, 0 already done, 7 already queued)" in plain.stdout
+    rebuilt = subprocess.run([*command, "--rebuild"], capture_output=True, text=True, timeout=120)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert "shards: 7 (7 enqueued, 0 already done; rebuild: ledger ignored, 7 of those" in rebuilt.stdout
+    assert len(queued_messages(redis_url)) == 7

@@ -21,7 +21,13 @@ datasets_argument = click.argument(
 @click.command()
 @datasets_argument
 @config_option
-def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
+@click.option(
+    "--rebuild",
+    is_flag=True,
+    help="The broker was lost or restored from an old copy: ignore the ledger and enqueue every shard whose "
+    "training file is not in storage (tasks are idempotent: a shard that still had a message is stored once).",
+)
+def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> None:
     """Stage DATASETS as prompt shards and enqueue one generate task per shard not already done or queued."""
     from dflash_queue.ledger import Ledger
     from dflash_queue.producer import Producer
@@ -36,7 +42,9 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path) -> None:
     ledger = Ledger.from_url(config.broker.url, config.run.name)
     with Progress(TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("samples", total=None)
-        report = Producer(config, ledger).enqueue(list(datasets), on_shard=lambda n: bar.advance(task, n))
+        report = Producer(config, ledger).enqueue(
+            list(datasets), on_shard=lambda n: bar.advance(task, n), rebuild=rebuild
+        )
     for line in report.lines():
         click.echo(line)
 
