@@ -23,7 +23,7 @@ captured one and a masked attention's wasted pairs are not counted: they are the
 Achieved TFLOP/s = FLOPs / wall time; MFU = achieved / --peak-tflops (790: H200 bf16, measured).
 
     python tools/bench_extract_gpu.py [--size 8b|32b] [--samples 200] [--token-budget 16384]
-    python tools/bench_extract_gpu.py --size tiny --device cpu
+    python tools/bench_extract_gpu.py --size tiny --device cpu [--threads 1]
 """
 
 from __future__ import annotations
@@ -128,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attn", choices=["sdpa", "flash_attention_2", "eager"], default="sdpa")
     parser.add_argument("--peak-tflops", type=float, default=790.0)
     parser.add_argument("--skip-naive", action="store_true")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (1 gives steadier figures on a busy CPU)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     samples, shortest, longest, budget, naive_batch = WORKLOADS[args.size]
     samples = args.samples or samples
     shortest, longest = args.min_len or shortest, args.max_len or longest

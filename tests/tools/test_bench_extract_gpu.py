@@ -14,7 +14,7 @@ RATE = re.compile(
     rf"\((?P<s>{NUMBER}) s\)$",
     re.M,
 )
-BENCH = ["tools/bench_extract_gpu.py", "--size", "tiny", "--device", "cpu", "--samples", "12"]
+BENCH = ["tools/bench_extract_gpu.py", "--size", "tiny", "--device", "cpu", "--samples", "12", "--threads", "1"]
 
 
 def test_tiny_cpu_run_prints_rates_mfu_and_matches_the_naive_loop():
