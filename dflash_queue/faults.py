@@ -4,6 +4,7 @@ A JSON object, read once per process:
   {"extract_poison": ["<sample id>", ...]}   the extract engine "crashes" on any batch holding one of these
   {"generate_poison": ["<sample id>", ...]}  the same for the generate engine
   {"task_delay_s": 2.0}                      every lane task sleeps this long before its work
+  {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
 
 Unset (always, in production), every check is a no-op.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Iterable
 from functools import cache
@@ -49,3 +51,8 @@ def task_delay() -> None:
     delay = float(_faults().get("task_delay_s", 0))
     if delay > 0:
         time.sleep(delay)
+
+
+def maybe_kill(shard_id: str) -> None:
+    if shard_id and shard_id in set(_faults().get("kill_on_shards", ())):
+        os.kill(os.getpid(), signal.SIGKILL)

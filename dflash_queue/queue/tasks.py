@@ -33,7 +33,7 @@ from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue import runtime
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
 from dflash_queue.queue.busy import BusyClock
-from dflash_queue.queue.dead_lettering import dead_letter_samples, dead_letter_task
+from dflash_queue.queue.dead_lettering import dead_letter_samples, dead_letter_task, shard_of
 
 log = get_task_logger(__name__)
 # Busy time per lane in this worker process, recorded as `{lane}_busy_ms` next to the lane's counters.
@@ -67,6 +67,7 @@ class LaneTask(Task):
         if deliveries > rt.config.broker.max_deliveries:
             return self._give_up(rt, args, kwargs, deliveries)
         faults.task_delay()
+        faults.maybe_kill(shard_of(args, kwargs))
         try:
             return super().__call__(*args, **kwargs)
         except EngineUnavailable as exc:
