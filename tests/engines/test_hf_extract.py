@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
 
-from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue.engines.hf_extract import PACKED_SDPA, ExtractionRequest, HiddenStateExtractor
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget
 
 
@@ -164,3 +164,16 @@ def test_one_prefill_equals_step_by_step_generation(tiny_model, extractor):
     assert stepwise.shape[0] == len(sequence) - 1
     [prefill] = extractor.extract([ExtractionRequest("g", sequence)])
     torch.testing.assert_close(prefill[:-1], stepwise, rtol=1e-4, atol=1e-4)
+
+
+def test_sdpa_runs_attention_per_packed_sequence(extractor):
+    assert extractor.model.config._attn_implementation == PACKED_SDPA
+
+
+def test_an_extractor_around_a_model_in_memory_matches_one_loaded_from_its_path(tiny_model, extractor):
+    model = AutoModel.from_pretrained(tiny_model, dtype=torch.float32)
+    in_memory = HiddenStateExtractor.from_model(model, layer_ids=(0, 2, 4), token_budget=64)
+    assert len(model.layers) == 5 and in_memory.num_model_layers == extractor.num_model_layers
+    requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate([40, 30, 3])]
+    for got, want in zip(in_memory.extract(requests), extractor.extract(requests)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
