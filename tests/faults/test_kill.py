@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import redis
+from click.testing import CliRunner
 
+from dflash_queue.cli import main
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, FAILED, Ledger
@@ -111,3 +113,11 @@ def test_a_task_that_kills_every_worker_is_dead_lettered_after_max_deliveries(
     assert record.deliveries == 3 and "died" in record.message
     assert generate.alive() and extract.alive()
     assert_accounted(config, dataset, done=4, dead=4)
+
+    # Fixed (a worker without the fault): requeued, the shard completes and its dead letter is gone.
+    generate.stop()
+    generate = start_worker(config, "generate")
+    result = CliRunner().invoke(main, ["dead", "requeue", record.id, "-c", config.source])
+    assert result.exit_code == 0 and "sent:" in result.output, result.output
+    wait_for_states(ledger, report.shard_ids, {DONE}, timeout=300, workers=[generate, extract])
+    assert_accounted(config, dataset, done=8, dead=0)
