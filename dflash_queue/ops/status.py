@@ -2,15 +2,15 @@
 
 Everything comes from Redis (the ledger's counters and shard states, the broker's queues and unacked
 messages) plus one control broadcast to the workers, so it works from any machine that reaches the broker and
-survives worker restarts. Sources of per-lane counts that other parts of the system add (dead letters) plug
-in through `register_dead_letter_source`.
+survives worker restarts. Dead letters are counted per lane from their records (dflash_queue.deadletters).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
@@ -18,6 +18,7 @@ import redis
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from dflash_queue.config import Config
+from dflash_queue.deadletters import DeadLetters
 from dflash_queue.ledger import DONE, FAILED, GENERATED, QUEUED, Ledger
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE
 
@@ -42,22 +43,9 @@ LANE_PENDING_STATES = {"generate": {QUEUED}, "extract": {QUEUED, GENERATED}}
 QUALITY_PREFIX = "gate_"
 DEFAULT_WINDOW_S = 600
 
-# (redis client, run name, ledger counters) -> dead letters per lane.
-DeadLetterSource = Callable[[redis.Redis, str, Mapping[str, int]], Mapping[str, int]]
-
-
-def counters_dead_letters(client: redis.Redis, run_name: str, counters: Mapping[str, int]) -> dict[str, int]:
-    """Dead letters recorded through `Ledger.add` as `dead_letters_{lane}` counters."""
-    return {lane: counters.get(f"dead_letters_{lane}", 0) for lane in LANES}
-
-
-_dead_letter_source: DeadLetterSource = counters_dead_letters
-
-
-def register_dead_letter_source(source: DeadLetterSource) -> None:
-    """Replace how dead letters are counted (e.g. by the length of a dead-letter list in Redis)."""
-    global _dead_letter_source
-    _dead_letter_source = source
+def dead_letters_per_lane(client: redis.Redis, run_name: str) -> dict[str, int]:
+    per_lane = Counter(record.lane for record in DeadLetters(client, run_name).all())
+    return {lane: per_lane.get(lane, 0) for lane in LANES}
 
 
 @dataclass
@@ -173,7 +161,7 @@ def collect_status(
         sizes = ledger.shard_sizes()
         failures = ledger.failures()
         unacked = unacked_by_queue(client)
-        dead = _dead_letter_source(client, config.run.name, counters)
+        dead = dead_letters_per_lane(client, config.run.name)
         depths = {lane: queue_depth(client, queue) for lane, queue in LANES.items()}
     finally:
         client.close()

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.ops.status import (
     WorkerView,
     collect_status,
-    counters_dead_letters,
     queue_depth,
     redact,
-    register_dead_letter_source,
     unacked_by_queue,
 )
 from dflash_queue.ops.status_view import status_table
@@ -110,7 +109,7 @@ def test_status_figures_match_a_real_job(make_config, redis_url, start_worker, t
 
 
 def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redis_url):
-    """A ledger written through its own API at known times gives a known ETA; plug-in counts show up."""
+    """A ledger written through its own API at known times gives a known ETA; dead letters show per lane."""
     config = make_config()
     ledger = Ledger.from_url(redis_url, config.run.name)
     now = 1_800_000_000.0
@@ -120,8 +119,11 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     ledger.add({"enqueued_samples": 80}, now=now - 300)
     # In the last 5 minutes: 4 shards generated and extracted, so 1 shard per 75 s per lane.
     ledger.add({"generate_shards": 4, "generate_samples": 32, "gate_keep": 28, "gate_flag": 2,
-                "gate_drop": 4, "gate_stub_drop": 3, "gate_truncated_flag": 2, "gate_empty_drop": 1, "dead_letters_generate": 2}, now=now - 10)
+                "gate_drop": 4, "gate_stub_drop": 3, "gate_truncated_flag": 2, "gate_empty_drop": 1}, now=now - 10)
     ledger.add({"extract_shards": 4, "extract_samples": 26}, now=now - 5)
+    dead = DeadLetters.from_url(redis_url, config.run.name)
+    for shard in ("s7", "s8"):
+        dead.add(DeadLetter(record_id(TASK, "generate", shard), TASK, "generate", "dfq.generate", shard))
 
     status = collect_status(config, window_s=600, workers=WorkerView(), now=now)
     gen, ext = status.lanes["generate"], status.lanes["extract"]
@@ -134,11 +136,6 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     assert gen.quality_dropped == 4
     assert (gen.dead_letters, ext.dead_letters) == (2, 0)
 
-    register_dead_letter_source(lambda client, run, counters: {"extract": 7})
-    try:
-        assert collect_status(config, workers=WorkerView(), now=now).lanes["extract"].dead_letters == 7
-    finally:
-        register_dead_letter_source(counters_dead_letters)
     text = _render(status)
     assert "4 dropped" in text and "6 min" in text
 
