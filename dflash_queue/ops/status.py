@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
