@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from celery import Celery
+from kombu import pools
 
 from dflash_queue.config import Config
 from dflash_queue.data.readers import read_dataset
@@ -38,13 +39,10 @@ def dataset_ids(dataset: Path) -> set[str]:
 def connect(config: Config) -> Celery:
     """Point the Celery app at `config`'s broker, dropping connections pooled for another broker."""
     app = configure_app(config)
-    pool = app._pool
-    if pool is not None:
-        pool.force_close_all()
-        app._pool = None
+    pools.reset()  # closes every pooled connection and empties kombu's pool registry
+    app._pool = None
     amqp = app.__dict__.get("amqp")
-    if amqp is not None and amqp._producer_pool is not None:
-        amqp._producer_pool.force_close_all()
+    if amqp is not None:
         amqp._producer_pool = None
     control = app.__dict__.get("control")
     if control is not None:
