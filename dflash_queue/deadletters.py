@@ -164,6 +164,10 @@ class DeadLetters:
         """Undo a `take` whose requeue could not be sent."""
         self.client.hsetnx(self.key, record.id, record.to_json())
 
+    def settle(self, lane: str, shard_id: str) -> bool:
+        """A shard's task succeeded after all (a rebuild re-sent it, say): its task record is stale."""
+        return bool(self.client.hdel(self.key, record_id(TASK, lane, shard_id)))
+
     def remove(self, record_ids: Iterable[str]) -> int:
         ids = list(record_ids)
         return int(self.client.hdel(self.key, *ids)) if ids else 0

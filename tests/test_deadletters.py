@@ -87,3 +87,11 @@ def test_two_operators_requeueing_one_record_get_it_once(redis_url):
     dead.put_back(target)
     assert dead.get(target.id) == target
     assert dead.remove([target.id, "no-such"]) == 1
+
+
+def test_a_shard_that_succeeds_later_settles_its_task_record(redis_url):
+    dead = store(redis_url)
+    dead.add(record(kind=TASK, lane="generate", shard="s1"))
+    dead.add(record(kind=SAMPLE, lane="generate", shard="s1", samples=["x"]))
+    assert dead.settle("generate", "s1") and not dead.settle("extract", "s1")
+    assert [r.kind for r in dead.all()] == [SAMPLE]  # a poison sample stays until requeued: it is not in the shard

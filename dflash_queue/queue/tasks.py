@@ -176,6 +176,7 @@ def generate_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str
     if not summary.skipped:
         _count_once(rt, self, "generate", shard_id, redo, {**summary.counters(), "generate_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.GENERATED)
+    rt.dead_letters.settle("generate", shard_id)
     extract_shard.apply_async(args=(shard_id, summary.kept, fingerprint), kwargs={"redo": redo}, queue=EXTRACT_QUEUE)
     log.info(
         "generated shard %s: %d samples, %d completion tokens; quality gate: %s%s%s",
@@ -198,6 +199,7 @@ def extract_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str,
     if not summary.skipped:
         _count_once(rt, self, "extract", shard_id, redo, {**summary.counters(), "extract_busy_ms": timing.busy_ms})
     rt.ledger.set_state(shard_id, states.DONE)
+    rt.dead_letters.settle("extract", shard_id)
     log.info(
         "extracted shard %s: %d samples, %d tokens, %d bytes%s%s",
         shard_id,
