@@ -1,7 +1,7 @@
 """Writing dead letters from a worker: failed tasks, poison samples, and messages that cannot be run.
 
 Malformed messages (bad JSON, content that is not JSON, an unknown task name, a message without task headers)
-never reach a task: Celery's consumer logs and drops them. `DeadLetteringConsumer` records each one first, so
+never reach a task: Celery's consumer logs and drops them. `WorkerConsumer` records each one first, so
 the operator sees it in `dflash-queue dead list` and the workers carry on.
 """
 
@@ -109,8 +109,32 @@ def dead_letter_message(message: Any, exc: BaseException | None, reason: str) ->
     )
 
 
-class DeadLetteringConsumer(Consumer):
-    """Celery's consumer, recording a dead letter for each message it cannot run before dropping it."""
+class WorkerConsumer(Consumer):
+    """Celery's consumer, recording a dead letter for each message it cannot run before dropping it, and
+    surviving an ack that lands on a channel closed by a broker outage."""
+
+    def update_strategies(self):
+        # A task that finishes while the broker is down acks on a channel whose connection is gone; kombu then
+        # fails with AttributeError (no connection info) instead of a connection error, and that error, raised
+        # while the consumer restarts, takes the whole worker down. Counted as a connection error, the failed
+        # ack is logged and the message stays unacked in Redis: it comes back after the visibility timeout and
+        # its task finds its output stored.
+        errors = self.connection_errors
+        self.connection_errors = (*errors, AttributeError)
+        try:
+            super().update_strategies()
+        finally:
+            self.connection_errors = errors
+
+    def on_connection_error_after_connected(self, exc):
+        # Closing the broken connection makes kombu restore this worker's unacked messages through a connection
+        # it has already released, which fails with AttributeError and would be taken for an unrecoverable
+        # error (the worker exits). Those messages are in Redis's unacked set either way and come back after the
+        # visibility timeout; what matters is that the consumer reconnects.
+        try:
+            super().on_connection_error_after_connected(exc)
+        except AttributeError as error:
+            log.warning("broker connection lost with messages in flight (%s); reconnecting", error)
 
     def on_decode_error(self, message, exc):
         dead_letter_message(message, exc, "undecodable message")
