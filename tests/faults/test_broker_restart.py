@@ -1,5 +1,8 @@
 """Redis restarted mid-job: queued and unacked messages come back from the AOF, the same workers reconnect and
-finish the job, and every sample ends in exactly one shard. Real redis-server, real workers, the tiny model."""
+finish the job, and every sample ends in exactly one shard. Real redis-server, real workers, the tiny model.
+
+The broker stops while an extract task runs: that task's ack fails, so its message comes back after the
+(short) visibility timeout and the re-delivery finds the shard stored."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+import redis
 
 from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, Ledger
@@ -23,11 +27,16 @@ pytestmark = pytest.mark.slow
 SLOW = {ENV: json.dumps({"task_delay_s": 0.5})}
 
 
+def unacked_queues(url: str) -> set[str]:
+    """Queues of the messages workers hold unacked (tasks running or waiting in a worker)."""
+    return {json.loads(raw)[2] for raw in redis.Redis.from_url(url).hvals("unacked")}
+
+
 def test_workers_reconnect_after_a_broker_restart_and_finish_exactly_once(make_config, start_worker, tmp_path):
     server = RedisServer(tmp_path / "broker", appendonly=True).start()
     try:
         config = make_config(
-            broker={"url": server.url, "visibility_timeout_s": 30, "task_timeout_s": 20},
+            broker={"url": server.url, "visibility_timeout_s": 15, "task_timeout_s": 10},
             dataset={"shard_size": 4, "thinking": "never"},
             quality=FLAG_EVERYTHING,
             **{"generate.sampling": {"max_tokens": 16}},
@@ -40,7 +49,13 @@ def test_workers_reconnect_after_a_broker_restart_and_finish_exactly_once(make_c
         report = Producer(config, ledger).enqueue([dataset])
         assert report.enqueued == 6
 
-        wait_until(lambda: done_count(ledger, report.shard_ids) >= 1, 180, "a first shard done", workers)
+        # Stop the broker while an extract task runs (its message unacked), after a first shard is done.
+        wait_until(
+            lambda: done_count(ledger, report.shard_ids) >= 1 and "extract" in unacked_queues(server.url),
+            180,
+            "a shard done and an extract task running",
+            workers,
+        )
         server.stop()
         for worker in workers:
             wait_until(lambda: "Connection to broker lost" in worker.log_tail(100_000), 60, "the outage noticed")
