@@ -84,6 +84,7 @@ def _warn_if_engine_can_drain(config: Config, lane: str, concurrency: int) -> No
         )
 
 
+WORKER_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
 EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the worker
 
 
@@ -109,6 +110,9 @@ def run_worker(
     """Run a lane worker until it is stopped; returns the process exit code."""
     if lane not in LANES:
         raise ValueError(f"unknown lane {lane!r}; expected one of {sorted(LANES)}")
+    # Logging from the start, in Celery's format (Celery keeps a root logger that is already set up), so that
+    # start-up warnings and the engine's loading carry a level and a time.
+    logging.basicConfig(level=loglevel.upper(), format=WORKER_LOG_FORMAT)
     app = configure_app(config)
     concurrency = concurrency or default_concurrency(config, lane)
     _warn_if_engine_can_drain(config, lane, concurrency)
