@@ -63,7 +63,15 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start real `dflash-queue worker` subprocesses; each is stopped (warmly, then killed) at teardown."""
     started: list[WorkerProcess] = []
 
-    def start(config: Config, lane: str, *, wait: bool = True, extra_args: tuple[str, ...] = (), env: dict | None = None) -> WorkerProcess:
+    def start(
+        config: Config,
+        lane: str,
+        *,
+        wait: bool = True,
+        extra_args: tuple[str, ...] = (),
+        env: dict | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> WorkerProcess:
         name = f"{lane}-{len(started)}@{tmp_path.name[:40]}"
         worker = WorkerProcess(
             lane,
@@ -72,6 +80,7 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
             tmp_path / "logs" / f"{lane}-{len(started)}.log",
             hostname=name,
             extra_args=extra_args,
+            prefix=prefix,
         )
         started.append(worker)
         if wait:

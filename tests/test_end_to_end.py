@@ -22,16 +22,12 @@ from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import completions_key, shard_key
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
+from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow
-
-
-def first_lines(path: Path, count: int, out: Path) -> Path:
-    out.write_text("\n".join(path.read_text().splitlines()[:count]) + "\n")
-    return out
 
 
 def test_pipeline_produces_exact_training_shards(make_config, redis_url, start_worker, tmp_path, tiny_model):

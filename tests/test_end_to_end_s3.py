@@ -22,6 +22,7 @@ from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import completions_key, shard_key
 from dflash_queue.storage.s3 import SHA256_METADATA
+from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.polling import wait_for_states
 from dflash_queue.testing.s3 import LoopbackS3
 
@@ -29,11 +30,6 @@ REPO = Path(__file__).resolve().parent
 SAMPLE = REPO.parent / "examples" / "sharegpt_sample.jsonl"
 MiB = 1024 * 1024
 pytestmark = pytest.mark.slow
-
-
-def first_lines(path: Path, count: int, out: Path) -> Path:
-    out.write_text("\n".join(path.read_text().splitlines()[:count]) + "\n")
-    return out
 
 
 def test_job_on_s3_stores_verified_multipart_shards(

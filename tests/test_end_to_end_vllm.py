@@ -25,6 +25,7 @@ from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import completions_key, shard_key
 from dflash_queue.testing.configs import tiny_vllm_overrides
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
+from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.polling import wait_for_states
 from dflash_queue.testing.processes import describe, descendants, survivors
 
@@ -33,11 +34,6 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": 48, "seed": 3}
-
-
-def first_lines(path: Path, count: int, out: Path) -> Path:
-    out.write_text("\n".join(path.read_text().splitlines()[:count]) + "\n")
-    return out
 
 
 def queued_messages(redis_url: str, queue: str) -> int:

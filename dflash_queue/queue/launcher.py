@@ -22,13 +22,15 @@ class WorkerProcess:
         *,
         hostname: str | None = None,
         extra_args: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
     ) -> None:
+        """`prefix`: a command the worker runs under (e.g. `setpriv ...`)."""
         self.lane = lane
         self.log_path = log_path
         self.hostname = hostname
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        args = [sys.executable, "-m", "dflash_queue", "worker", lane, "-c", str(config_path), *extra_args]
+        args = [*prefix, sys.executable, "-m", "dflash_queue", "worker", lane, "-c", str(config_path), *extra_args]
         if hostname:
             args += ["--hostname", hostname]
         self.process = subprocess.Popen(

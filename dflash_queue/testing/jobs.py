@@ -1,13 +1,10 @@
-"""Running whole jobs in fault tests and drills: broker switching, workers that obey directory permissions,
-progress waits, and the exactly-once accounting of a job's output."""
+"""Running whole jobs in fault tests and drills: datasets, broker switching, workers that obey directory
+permissions, and the exactly-once accounting of a job's output."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -21,7 +18,6 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import configure_app
-from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import SHARDS
@@ -61,27 +57,6 @@ def root_bypass_dropped() -> list[str]:
     return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
 
 
-class LaneWorker(WorkerProcess):
-    """A `dflash-queue worker` subprocess started under a command prefix (see `root_bypass_dropped`)."""
-
-    def __init__(
-        self, lane: str, config: Config, log_path: Path, *, hostname: str, prefix: list[str], env: dict | None = None
-    ) -> None:
-        self.lane = lane
-        self.log_path = log_path
-        self.hostname = hostname
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
-        args = [*prefix, sys.executable, "-m", "dflash_queue", "worker", lane, "-c", str(config.source)]
-        self.process = subprocess.Popen(
-            [*args, "--hostname", hostname],
-            env={**os.environ, **(env or {})},
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
 @contextmanager
 def read_only(directory: Path) -> Iterator[None]:
     """Make `directory` read-only (0o555) for the duration, then writable again."""
@@ -91,22 +66,6 @@ def read_only(directory: Path) -> Iterator[None]:
         yield
     finally:
         directory.chmod(mode)
-
-
-def wait_until(predicate, timeout: float, what: str, workers: Iterable[WorkerProcess] = (), poll_s: float = 0.2):
-    """Poll `predicate` until it returns something truthy; fail early if a worker died."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        for worker in workers:
-            if not worker.alive():
-                raise AssertionError(f"{worker.lane} worker died while waiting for {what}:\n{worker.log_tail()}")
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {w.lane}\n{w.log_tail()}" for w in workers)
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
-        time.sleep(poll_s)
 
 
 def done_count(ledger: Ledger, shard_ids: Iterable[str], done: str = "done") -> int:

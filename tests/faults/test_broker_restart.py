@@ -16,10 +16,9 @@ from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.redis_server import RedisServer
-from dflash_queue.storage import open_storage
-from dflash_queue.testing.jobs import connect, done_count, exactly_once_problems, first_lines, wait_until
+from dflash_queue.testing.jobs import connect, done_count, exactly_once_problems, first_lines
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dflash_queue.testing.polling import wait_for_states, wait_until
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow

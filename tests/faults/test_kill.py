@@ -19,20 +19,14 @@ from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.testing.accounting import assert_accounted
+from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 
-REPO = Path(__file__).resolve().parents[2]
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow
 # Short enough that a killed worker's message comes back within the test, longer than any task here.
 BROKER = {"visibility_timeout_s": 12, "task_timeout_s": 10, "max_deliveries": 2}
-
-
-def dataset_of(tmp_path: Path, count: int) -> Path:
-    lines = (REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:count]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def wait_for_unacked(redis_url: str, queue: str, timeout: float = 120) -> None:
@@ -57,7 +51,7 @@ def test_killed_workers_lose_nothing_and_double_nothing(make_config, redis_url, 
     config = make_config(broker={**BROKER, "max_deliveries": 3}, dataset={"shard_size": 4, "thinking": "never"},
                          quality=FLAG_EVERYTHING, **{"generate.sampling": {"max_tokens": 12}})
     configure_app(config)
-    dataset = dataset_of(tmp_path, 16)
+    dataset = first_lines(SAMPLE, 16, tmp_path / "prompts.jsonl")
     slow = {ENV: json.dumps({"task_delay_s": 1.5})}
     ledger = Ledger.from_url(redis_url, config.run.name)
     generate = start_worker(config, "generate", env=slow)
@@ -89,7 +83,7 @@ def test_a_task_that_kills_every_worker_is_dead_lettered_after_max_deliveries(
     config = make_config(broker=BROKER, dataset={"shard_size": 4, "thinking": "never"}, quality=FLAG_EVERYTHING,
                          **{"generate.sampling": {"max_tokens": 8}})
     configure_app(config)
-    dataset = dataset_of(tmp_path, 8)
+    dataset = first_lines(SAMPLE, 8, tmp_path / "prompts.jsonl")
     ledger = Ledger.from_url(redis_url, config.run.name)
     report = Producer(config, ledger).enqueue([dataset])
     deadly = report.shard_ids[0]

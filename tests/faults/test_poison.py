@@ -22,19 +22,12 @@ from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import completions_key, shard_key
 from dflash_queue.testing.accounting import assert_accounted, wait_accounted
+from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 
-REPO = Path(__file__).resolve().parents[2]
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow
-
-
-def small_dataset(tmp_path: Path, count: int) -> tuple[Path, list[str]]:
-    lines = (REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:count]
-    path = tmp_path / "prompts.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    ids = [s.id for s in read_dataset([path], max_record_bytes=1 << 20) if isinstance(s, Sample)]
-    return path, ids
 
 
 def test_poison_samples_are_dead_lettered_alone_and_requeue_completes_them(make_config, redis_url, start_worker, tmp_path):
@@ -42,7 +35,8 @@ def test_poison_samples_are_dead_lettered_alone_and_requeue_completes_them(make_
         dataset={"shard_size": 4, "thinking": "never"}, quality=FLAG_EVERYTHING, **{"generate.sampling": {"max_tokens": 12}}
     )
     configure_app(config)
-    dataset, ids = small_dataset(tmp_path, 12)
+    dataset = first_lines(SAMPLE, 12, tmp_path / "prompts.jsonl")
+    ids = [s.id for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
     poison = {"extract": ids[5], "generate": ids[9]}
     faulty = {ENV: json.dumps({"extract_poison": [poison["extract"]], "generate_poison": [poison["generate"]]})}
     workers = [start_worker(config, "generate", env=faulty), start_worker(config, "extract", env=faulty)]

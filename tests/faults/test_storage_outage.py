@@ -14,45 +14,15 @@ import pytest
 from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.testing.jobs import (
-    LaneWorker,
-    connect,
-    exactly_once_problems,
-    first_lines,
-    read_only,
-    root_bypass_dropped,
-    wait_until,
-)
+from dflash_queue.testing.jobs import exactly_once_problems, first_lines, read_only, root_bypass_dropped
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dflash_queue.testing.polling import wait_for_states, wait_until
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def lane_workers(tmp_path):
-    started: list[LaneWorker] = []
-
-    def start(config, lane: str, env: dict | None = None) -> LaneWorker:
-        worker = LaneWorker(
-            lane,
-            config,
-            tmp_path / "logs" / f"{lane}-{len(started)}.log",
-            hostname=f"{lane}-{len(started)}@{tmp_path.name[:40]}",
-            prefix=root_bypass_dropped(),
-            env=env,
-        )
-        started.append(worker)
-        worker.wait_ready(connect(config), timeout=180)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.stop(timeout=30)
-
-
-def test_a_read_only_shards_directory_is_waited_out(make_config, redis_url, lane_workers, tmp_path):
+def test_a_read_only_shards_directory_is_waited_out(make_config, redis_url, start_worker, tmp_path):
     config = make_config(
         broker={"retry_backoff_max_s": 1.0},
         dataset={"shard_size": 4, "thinking": "never"},
@@ -63,7 +33,8 @@ def test_a_read_only_shards_directory_is_waited_out(make_config, redis_url, lane
     shards_dir = Path(config.storage.url) / "shards"
     shards_dir.mkdir(parents=True)
     slow = {ENV: json.dumps({"task_delay_s": 0.3})}
-    workers = [lane_workers(config, "generate", slow), lane_workers(config, "extract", slow)]
+    obeying = tuple(root_bypass_dropped())
+    workers = [start_worker(config, lane, env=slow, prefix=obeying) for lane in ("generate", "extract")]
     ledger = Ledger.from_url(redis_url, config.run.name)
 
     with read_only(shards_dir):
