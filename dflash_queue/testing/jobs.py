@@ -21,6 +21,8 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import SHARDS
+from dflash_queue.testing.polling import wait_until
+from dflash_queue.verify import VerifyReport, verify
 
 
 def first_lines(path: Path, count: int, out: Path) -> Path:
@@ -90,8 +92,6 @@ def stored_sample_ids(config: Config) -> Counter[str]:
 def exactly_once_problems(config: Config, dataset: Path) -> list[str]:
     """Empty when every sample of `dataset` is in exactly one stored shard and nothing else is; otherwise what
     is wrong. Checked twice: from the shards themselves, and by `dflash_queue.verify`."""
-    from dflash_queue.verify import verify
-
     expected = dataset_ids(dataset)
     seen = stored_sample_ids(config)
     problems = []
@@ -108,3 +108,24 @@ def exactly_once_problems(config: Config, dataset: Path) -> list[str]:
     if not report.ok:
         problems.append("verify: " + "; ".join(report.lines()))
     return problems
+
+
+def assert_accounted(config: Config, dataset: Path, *, done: int, dead: int = 0) -> VerifyReport:
+    """`verify` finds every sample exactly once, with `done` in shards (kept or dropped) and `dead` in dead
+    letters."""
+    report = verify(config, [dataset])
+    assert report.ok, "\n".join(report.lines())
+    assert (report.done + report.dropped, report.dead) == (done, dead), "\n".join(report.lines())
+    return report
+
+
+def wait_accounted(
+    config: Config, dataset: Path, *, done: int, dead: int = 0, timeout: float = 300, workers=()
+) -> VerifyReport:
+    """Poll `verify` until the job reaches that outcome (or fail, naming the wait)."""
+
+    def reached() -> VerifyReport | None:
+        report = verify(config, [dataset])
+        return report if report.ok and (report.done + report.dropped, report.dead) == (done, dead) else None
+
+    return wait_until(reached, timeout, f"{done} samples done and {dead} dead letters", workers, poll_s=1.0)

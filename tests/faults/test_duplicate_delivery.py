@@ -10,7 +10,7 @@ from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
 from dflash_queue.queue.tasks import generate_shard
-from dflash_queue.testing.accounting import assert_accounted
+from dflash_queue.testing.jobs import assert_accounted
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 

@@ -18,8 +18,7 @@ from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.testing.accounting import assert_accounted
-from dflash_queue.testing.jobs import first_lines
+from dflash_queue.testing.jobs import assert_accounted, first_lines
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 

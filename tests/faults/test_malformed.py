@@ -13,7 +13,7 @@ from dflash_queue.deadletters import DeadLetters
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE, GENERATE_TASK, configure_app
-from dflash_queue.testing.accounting import assert_accounted
+from dflash_queue.testing.jobs import assert_accounted
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
 
