@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 def dflash_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
-    """The DFlash release's choice: the middle layer for one draft layer, else K layers spread evenly from
-    layer 1 to layer N-3 (36 layers, K=5 -> [1, 9, 17, 25, 33])."""
+    """The DFlash release's `build_target_layer_ids`: the middle layer (N // 2) for one draft layer, else K
+    layers spread evenly from layer 1 to layer N-3, `int(round(1 + i * (N - 4) / (K - 1)))` with Python's round,
+    which takes ties to even (36 layers, K=5 -> [1, 9, 17, 25, 33]; 94 layers -> [1, 24, 46, 68, 91])."""
     if num_layers < 1 or num_draft_layers < 1:
         raise ValueError("num_layers and num_draft_layers must be positive")
     if num_draft_layers == 1:
@@ -13,8 +14,9 @@ def dflash_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
     start, end = 1, num_layers - 3
     if end - start + 1 < num_draft_layers:
         raise ValueError(f"cannot spread {num_draft_layers} layers over a {num_layers}-layer model")
-    step = (end - start) / (num_draft_layers - 1)
-    return [int(start + i * step + 0.5) for i in range(num_draft_layers)]
+    span = end - start
+    # Not `int(x + 0.5)`: DFlash reads round(68.5) == 68, and a layer off by one is a different feature.
+    return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
 def eagle3_layer_ids(num_layers: int) -> list[int]:

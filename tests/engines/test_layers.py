@@ -13,10 +13,25 @@ from dflash_queue.engines.layers import dflash_layer_ids, eagle3_layer_ids, reso
         (36, 1, [18]),
         (6, 3, [1, 2, 3]),
         (28, 2, [1, 25]),
+        # Ties go to the even integer, as Python's round does in DFlash's build_target_layer_ids.
+        (94, 5, [1, 24, 46, 68, 91]),  # 68.5 -> 68
+        (62, 5, [1, 16, 30, 44, 59]),  # 15.5 -> 16, 44.5 -> 44
+        (11, 3, [1, 4, 8]),  # 4.5 -> 4
+        (13, 3, [1, 6, 10]),  # 5.5 -> 6
     ],
 )
 def test_dflash_rule(num_layers, k, expected):
     assert dflash_layer_ids(num_layers, k) == expected
+
+
+def test_dflash_rule_equals_the_release_formula_everywhere():
+    """The release's own expression, written out, over every model depth and K a drafter would use."""
+    for num_layers in range(6, 130):
+        for k in range(2, 9):
+            if num_layers - 3 < k:
+                continue
+            release = [int(round(1 + i * (num_layers - 4) / (k - 1))) for i in range(k)]
+            assert dflash_layer_ids(num_layers, k) == release, (num_layers, k)
 
 
 def test_eagle3_rule():
