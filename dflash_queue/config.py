@@ -260,6 +260,23 @@ class ExtractConfig(_Section):
     # CUDA: captured layers go to pinned host memory asynchronously while the next pack computes. Pinned memory
     # up to one shard's hidden states stays cached by torch; off: plain synchronous copies.
     pin_memory: bool = True
+    # How sequences share a forward pass. "auto": packed in one row where every token mixer of the model can be
+    # confined to its sequence (attention with windows, soft-capping and sinks; Qwen3.5/Qwen3-Next linear
+    # attention), else right-padded batches; chosen at load, confirmed by a probe and logged. "packed" refuses a
+    # model that cannot be packed exactly; "padded" never packs.
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    # Also store the last layer's output after the model's final norm (what EAGLE-3 trainers call the last
+    # hidden state), as one more entry after the K layers, marked `final_norm` in the shard metadata.
+    final_norm_state: bool = False
+    # Samples per shard recomputed alone through the model's own attention and compared with their packed
+    # states (chosen from the shard id, so a re-delivery checks the same ones). 0 turns the canary off.
+    canary_samples: Annotated[int, Field(ge=0)] = 1
+    # Relative error (per layer, over the sample) above which the canary fails the task for good; 0: by the
+    # model's dtype (1e-4 for float32, 2e-2 for bfloat16, 5e-3 for float16).
+    canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
+    # A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
+    # that layer fails the task (with all-zero and constant layers): states no forward pass gives.
+    rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
 
     @model_validator(mode="after")
     def _layer_ids_distinct(self) -> ExtractConfig:
@@ -349,6 +366,7 @@ class Config(_Section):
                 "layer_ids": list(self.extract.layer_ids),
                 "num_draft_layers": self.extract.num_draft_layers,
                 "hidden_dtype": self.extract.hidden_dtype,
+                "final_norm_state": self.extract.final_norm_state,
             },
         }
         blob = json.dumps(payload, sort_keys=True).encode()

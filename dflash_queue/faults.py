@@ -5,6 +5,8 @@ A JSON object, read once per process:
   {"generate_poison": ["<sample id>", ...]}  the same for the generate engine
   {"task_delay_s": 2.0}                      every lane task sleeps this long before its work
   {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
+  {"extract_break_packing": true}           the extract lane's packed sequences see each other (after the
+                                            engine's load probe), so that the run-time canary must catch it
 
 Unset (always, in production), every check is a no-op.
 """
@@ -51,6 +53,10 @@ def task_delay() -> None:
     delay = float(_faults().get("task_delay_s", 0))
     if delay > 0:
         time.sleep(delay)
+
+
+def packing_broken() -> bool:
+    return bool(_faults().get("extract_break_packing", False))
 
 
 def maybe_kill(shard_id: str) -> None:

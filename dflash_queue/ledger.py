@@ -23,6 +23,8 @@ QUEUED = "queued"
 GENERATED = "generated"
 DONE = "done"
 FAILED = "failed"
+# The largest relative error of any canary sample against itself run alone (`Ledger.maxima`).
+CANARY_ERROR = "extract_canary_error"
 # States in which a shard needs no new message from the producer.
 IN_PROGRESS_OR_DONE = frozenset({QUEUED, GENERATED, DONE})
 
@@ -58,6 +60,8 @@ class Ledger:
         # When the first progress of this run was recorded: the start of the rate window of a young run.
         self.first_add_key = f"{self.prefix}:first_add"
         self.counted_key = f"{self.prefix}:counted"
+        # Largest values seen of measurements that are not counts (a canary's relative error).
+        self.maxima_key = f"{self.prefix}:maxima"
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> Ledger:
@@ -169,6 +173,13 @@ class Ledger:
     def counters(self) -> dict[str, int]:
         return {name: int(value) for name, value in self.client.hgetall(self.counters_key).items()}
 
+    def record_max(self, name: str, value: float) -> None:
+        """Keep the largest `value` ever recorded under `name` (atomic; recording twice changes nothing)."""
+        self.client.eval(_RECORD_MAX, 1, self.maxima_key, name, repr(float(value)))
+
+    def maxima(self) -> dict[str, float]:
+        return {name: float(value) for name, value in self.client.hgetall(self.maxima_key).items()}
+
     def shard_sizes(self) -> dict[str, int]:
         """Samples per shard, recorded when the shard was queued."""
         return {shard_id: int(n) for shard_id, n in self.client.hgetall(self.sizes_key).items()}
@@ -185,8 +196,17 @@ class Ledger:
             self.failures_key,
             self.first_add_key,
             self.counted_key,
+            self.maxima_key,
             *buckets,
         )
+
+
+_RECORD_MAX = """
+local current = redis.call('HGET', KEYS[1], ARGV[1])
+if not current or tonumber(ARGV[2]) > tonumber(current) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+"""
 
 
 def resilient_client(url: str) -> redis.Redis:

@@ -1,20 +1,27 @@
 """Hidden-state extraction: one prefill over exactly the generated ids, capturing K decoder layers by hooks.
 
-Only the base model is loaded (no LM head), and layers above the highest captured one are dropped, so no
-FLOP or byte is spent on what is thrown away. `output_hidden_states=True` would materialise every layer.
+Only the text decoder is loaded (no LM head, no vision tower; see `decoder`), and layers above the highest
+captured one are dropped, so no FLOP or byte is spent on what is thrown away. `output_hidden_states=True`
+would materialise every layer.
 
-Sequences are packed (see `packing`): each forward pass is one row of up to `token_budget` tokens with position
-ids restarting per sequence and attention confined to each sequence, so no FLOP goes to padding and no sample
-sees another. Attention backends:
+How sequences share a forward pass is chosen per model at load (`architecture.profile_config`), confirmed by a
+probe that compares a packed pass with each sequence run alone, and logged:
 
-* "sdpa": `packed_sdpa_attention`, one causal SDPA call per sequence (no mask is built; on CUDA SDPA picks its
-  flash kernel), so attention costs sum(len^2), not pack_len^2;
-* "flash_attention_2": the flash-attn varlen kernel, given the packed sequence offsets (cu_seqlens);
-* "eager": Transformers builds a block-diagonal causal mask from the restarting position ids (slow; reference).
+* "packed": sequences concatenated in one row of up to `token_budget` tokens, position ids restarting per
+  sequence, every token mixer confined to its sequence. Attention backends: "sdpa" is `packed_attention` (one
+  causal SDPA call per sequence, the layer's window, soft-capping and sinks applied inside it);
+  "flash_attention_2" takes the sequence offsets (cu_seqlens); "eager" builds a block-diagonal mask from the
+  restarting position ids. Linear-attention layers run on each sequence in turn;
+* "padded": right-padded batches (rows x longest row within the budget) with an attention mask, through the
+  model's own attention.
 
-The hooks copy each captured layer into one [tokens, K, H] buffer per pack, so only the K captured layers outlive
-their layer. On CUDA that buffer goes to pinned host memory on a side stream while the next pack computes; the
-copies are awaited once, before `extract` returns.
+The hooks copy each captured layer into one [tokens, K, H] buffer per pass, so only the K captured layers outlive
+their layer. On CUDA that buffer goes to pinned host memory on a side stream while the next pass computes; the
+copies are awaited once, before `capture` returns. Per sequence and layer, a few statistics (largest and
+smallest value, median token RMS) are reduced on the device for the lane's plausibility checks.
+
+`reference_states` runs one sequence alone through the model's own attention (eager where SDPA would drop
+soft-capping or sinks): the ground truth the load probe and the lane's canary compare packed results with.
 """
 
 from __future__ import annotations
@@ -25,51 +32,19 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AttentionInterface, AutoModel
 
+from dflash_queue.engines.architecture import ArchitectureProfile, profile_config
+from dflash_queue.engines.decoder import UnsupportedArchitecture, decoder_layers, load_text_decoder, read_layout
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
 from dflash_queue.engines.layers import resolve_layer_ids
-from dflash_queue.engines.packing import cu_seqlens, packed_position_ids, plan_packs
+from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
+from dflash_queue.engines.packing import cu_seqlens, packed_position_ids, plan_packs, plan_padded_batches
+from dflash_queue.engines.state_checks import compare_states, default_tolerance
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget
+from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
 
 log = logging.getLogger(__name__)
 
-# The name must not contain "flash": Transformers would take it for a flash-attention kernel.
-PACKED_SDPA = "packed_causal_sdpa"
-
-
-def packed_sdpa_attention(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    packed_bounds: Sequence[int] | None = None,
-    **_kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed sequence. query [B, heads, T, d], key/value [B, kv_heads, T, d];
-    returns [B, T, heads, d]. `packed_bounds` are the sequences' offsets in the row (cu_seqlens)."""
-    if attention_mask is not None:
-        raise ValueError("packed SDPA attention takes sequence bounds, not an attention mask")
-    bounds = packed_bounds if packed_bounds is not None else (0, query.shape[2])
-    gqa = query.shape[1] != key.shape[1]
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        attended = nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
-        out[:, start:end] = attended.transpose(1, 2)
-    return out, None
-
-
-AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
 
 
 @dataclass(frozen=True)
@@ -78,12 +53,19 @@ class ExtractionRequest:
     input_ids: list[int]
 
 
+@dataclass(frozen=True)
+class CapturedStates:
+    states: torch.Tensor  # [T, K, H] on the CPU, in the model's dtype
+    # [K, 3] float32: per captured layer, the largest value, the smallest value and the median token RMS.
+    summary: torch.Tensor
+
+
 @dataclass
-class _PackResult:
+class _PassResult:
     indices: list[int]
-    bounds: list[int]
-    states: torch.Tensor  # [tokens, K, H], on the CPU once `ready` has completed
-    nonfinite: torch.Tensor  # [sequences], non-finite values per sequence
+    spans: list[tuple[int, int]]  # each sequence's rows in `states`
+    states: torch.Tensor  # [rows, K, H], on the CPU once `ready` has completed
+    token_stats: torch.Tensor  # [rows, K, 3] float32: max, min, RMS per token and layer
     ready: torch.cuda.Event | None
 
     def wait(self) -> None:
@@ -105,12 +87,19 @@ class HiddenStateExtractor:
         token_budget: int = 16384,
         attn_implementation: str = "sdpa",
         pin_memory: bool = True,
+        packing: str = "auto",
+        final_norm_state: bool = False,
     ) -> None:
         resolved = resolve_device(device)
-        model = AutoModel.from_pretrained(
-            model_path, dtype=resolve_dtype(dtype, resolved), attn_implementation=_backend(attn_implementation)
+        profile = require_supported(read_layout(model_path).config, attn_implementation, packing)
+        model = load_text_decoder(
+            model_path,
+            dtype=resolve_dtype(dtype, resolved),
+            device=resolved,
+            attn_implementation=_native_attention(profile, attn_implementation),
         )
-        self._attach(model.to(resolved), layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory)
+        self._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory,
+                     final_norm_state)
 
     @classmethod
     def from_model(
@@ -122,67 +111,98 @@ class HiddenStateExtractor:
         token_budget: int = 16384,
         attn_implementation: str = "sdpa",
         pin_memory: bool = True,
+        packing: str = "auto",
+        final_norm_state: bool = False,
     ) -> HiddenStateExtractor:
         """An extractor around a base model already in memory, on its device and in its dtype. The model is
         changed in place: layers above the highest captured one are dropped and the attention backend is set."""
-        model.set_attn_implementation(_backend(attn_implementation))
+        profile = require_supported(model.config, attn_implementation, packing)
         extractor = cls.__new__(cls)
-        extractor._attach(model, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory)
+        extractor._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation,
+                          pin_memory, final_norm_state)
         return extractor
 
     def _attach(
         self,
         model: nn.Module,
+        profile: ArchitectureProfile,
         layer_ids: Sequence[int],
         num_draft_layers: int,
         token_budget: int,
         attn_implementation: str,
         pin_memory: bool,
+        final_norm_state: bool,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
-        text_config = model.config.get_text_config()
-        self.num_model_layers: int = text_config.num_hidden_layers
-        self.hidden_size: int = text_config.hidden_size
+        self.profile = profile
+        self.num_model_layers: int = profile.num_layers
+        self.hidden_size: int = profile.hidden_size
         self.layer_ids = resolve_layer_ids(tuple(layer_ids), self.num_model_layers, num_draft_layers)
+        # What each of the K captured entries is: (decoder layer id, DECODER_OUTPUT or FINAL_NORM).
+        self.captured: list[tuple[int, str]] = [(i, DECODER_OUTPUT) for i in self.layer_ids]
+        if final_norm_state:
+            self.captured.append((self.num_model_layers - 1, FINAL_NORM))
         self.token_budget = token_budget
         # Shrinks (and stays shrunk) when a forward pass runs out of device memory.
         self.effective_token_budget = token_budget
         self.attn_implementation = attn_implementation
-        self.model = _truncate_layers(model, max(self.layer_ids) + 1).eval()
+        self.reference_attention = _native_attention(profile, attn_implementation)
+        keep = self.num_model_layers if final_norm_state else max(self.layer_ids) + 1
+        self.model = _truncate_layers(model, keep).eval()
+        self.mode = profile.mode
         self._cuda = self.device.type == "cuda"
         self._pin = pin_memory and self._cuda
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._buffer: torch.Tensor | None = None
         self._hooks = [
-            self._decoder_layers()[layer_id].register_forward_hook(self._capture_hook(position))
-            for position, layer_id in enumerate(self.layer_ids)
+            decoder_layers(self.model)[layer_id].register_forward_hook(self._capture_hook(position))
+            for position, (layer_id, kind) in enumerate(self.captured)
+            if kind == DECODER_OUTPUT
         ]
+        if final_norm_state:
+            norm = getattr(self.model, "norm", None)
+            if not isinstance(norm, nn.Module):
+                raise UnsupportedArchitecture(
+                    f"{profile.text_model_type} has no final norm module ('norm'): extract.final_norm_state needs one"
+                )
+            self._hooks.append(norm.register_forward_hook(self._capture_hook(len(self.captured) - 1)))
+        self._segment_linear_attention()
+        self._use_mode(self.mode)
+        self._probe()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Extraction
 
     def extract(self, requests: Sequence[ExtractionRequest]) -> list[torch.Tensor]:
-        """Hidden states [T, K, H] on the CPU, one per request, in request order, in the model's dtype.
+        """Hidden states [T, K, H] on the CPU, one per request, in request order, in the model's dtype."""
+        return [captured.states for captured in self.capture(requests)]
+
+    def capture(self, requests: Sequence[ExtractionRequest], *, break_packing: bool = False) -> list[CapturedStates]:
+        """States and per-layer statistics, one per request, in request order.
 
         Raises OutOfMemoryAtMinimumBudget when one sequence alone does not fit in device memory, and
-        NonFiniteHiddenStates naming every sample with a NaN or infinite value.
+        NonFiniteHiddenStates naming every sample with a NaN or infinite value. `break_packing` (fault injection,
+        for proving the checks that must catch it) lets the sequences of a pack see each other.
         """
         lengths = [len(r.input_ids) for r in requests]
         for request, length in zip(requests, lengths):
             if length < 1:
                 raise ValueError(f"sample {request.sample_id}: no input ids to extract")
-        results: list[_PackResult] = []
+        results: list[_PassResult] = []
         pending = list(range(len(requests)))
         while pending:
-            plan = plan_packs([lengths[i] for i in pending], self.effective_token_budget)
-            packs = [[pending[j] for j in pack] for pack in plan]
+            plan = self._plan([lengths[i] for i in pending], self.effective_token_budget)
+            passes = [[pending[j] for j in group] for group in plan]
             failed: list[int] | None = None
-            for number, pack in enumerate(packs):
+            for number, group in enumerate(passes):
                 try:
-                    results.append(self._run_pack(pack, requests))
+                    results.append(self._run(group, requests, leak=break_packing))
                 except torch.OutOfMemoryError:
-                    failed = pack
-                    pending = [i for later in packs[number:] for i in later]
+                    failed = group
+                    pending = [i for later in passes[number:] for i in later]
                     break
             if failed is None:
                 pending = []
@@ -190,11 +210,28 @@ class HiddenStateExtractor:
                 self._recover_from_oom(failed, requests, lengths)
         return self._collect(results, requests)
 
+    @torch.inference_mode()
+    def reference_states(self, request: ExtractionRequest) -> torch.Tensor:
+        """The states of one sequence run alone through the model's own attention: [T, K, H] on the CPU."""
+        self._set_attention(self.reference_attention)
+        try:
+            ids = torch.tensor([request.input_ids], device=self.device)
+            buffer = torch.empty((ids.shape[1], len(self.captured), self.hidden_size), dtype=self.dtype,
+                                 device=self.device)
+            self._buffer = buffer
+            try:
+                self.model(input_ids=ids, use_cache=False)
+            finally:
+                self._buffer = None
+        finally:
+            self._use_mode(self.mode)
+        return buffer.cpu()
+
     def activation_bytes(self, tokens: int) -> int:
         """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights.
 
         tokens x dtype bytes x (2 K H  +  3 H  +  max(2 (q_heads + kv_heads) head_dim,  3 I)) + tokens x H:
-        the capture buffers of this pack and of the previous one (still copying to the host), the residual
+        the capture buffers of this pass and of the previous one (still copying to the host), the residual
         stream, a layer's input norm and output, the larger of attention's q, k, v, output and the MLP's gate,
         up and product, and the finiteness check's boolean temporary. Allocator rounding and the attention
         kernel's workspace (O(tokens) for flash-style kernels) come on top.
@@ -204,7 +241,7 @@ class HiddenStateExtractor:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         per_token = (
-            2 * len(self.layer_ids) * hidden
+            2 * len(self.captured) * hidden
             + 3 * hidden
             + max(2 * (heads + kv_heads) * head_dim, 3 * intermediate)
         )
@@ -217,33 +254,54 @@ class HiddenStateExtractor:
         if self._cuda:
             torch.cuda.empty_cache()
 
+    # ---------------------------------------------------------------------------------------------------------
+    # Passes
+
+    def _plan(self, lengths: list[int], budget: int) -> list[list[int]]:
+        return plan_packs(lengths, budget) if self.mode == "packed" else plan_padded_batches(lengths, budget)
+
     @torch.inference_mode()
-    def _run_pack(self, pack: list[int], requests: Sequence[ExtractionRequest]) -> _PackResult:
-        lengths = [len(requests[i].input_ids) for i in pack]
-        bounds = cu_seqlens(lengths)
-        ids = self._to_device(torch.tensor([t for i in pack for t in requests[i].input_ids]).unsqueeze(0))
-        positions = self._to_device(packed_position_ids(lengths))
-        buffer = torch.empty((bounds[-1], len(self.layer_ids), self.hidden_size), dtype=self.dtype, device=self.device)
+    def _run(self, group: list[int], requests: Sequence[ExtractionRequest], *, leak: bool = False) -> _PassResult:
+        lengths = [len(requests[i].input_ids) for i in group]
+        if self.mode == "packed":
+            bounds = cu_seqlens(lengths)
+            spans = list(zip(bounds[:-1], bounds[1:]))
+            inputs = {
+                "input_ids": self._to_device(torch.tensor([t for i in group for t in requests[i].input_ids])[None]),
+                "position_ids": self._to_device(packed_position_ids(lengths)),
+                **self._packing_kwargs([0, bounds[-1]] if leak else bounds),
+            }
+        else:
+            width = max(lengths)
+            ids = torch.zeros((len(group), width), dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for row, index in enumerate(group):
+                ids[row, : lengths[row]] = torch.tensor(requests[index].input_ids)
+                mask[row, : lengths[row]] = 1
+            spans = [(row * width, row * width + n) for row, n in enumerate(lengths)]
+            inputs = {"input_ids": self._to_device(ids), "attention_mask": self._to_device(mask)}
+        rows = inputs["input_ids"].numel()
+        buffer = torch.empty((rows, len(self.captured), self.hidden_size), dtype=self.dtype, device=self.device)
         self._buffer = buffer
         try:
-            self.model(input_ids=ids, position_ids=positions, use_cache=False, **self._attention_kwargs(bounds))
+            self.model(**inputs, use_cache=False)
         finally:
             self._buffer = None
-        nonfinite = self._nonfinite_per_sequence(buffer, bounds)
+        stats = _token_stats(buffer)
         if not self._cuda:
-            return _PackResult(pack, bounds, buffer, nonfinite, None)
+            return _PassResult(group, spans, buffer, stats, None)
         computed = torch.cuda.current_stream(self.device).record_event()
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(computed)
             host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=self._pin)
             host.copy_(buffer, non_blocking=self._pin)
-            host_nonfinite = torch.empty(nonfinite.shape, dtype=nonfinite.dtype, pin_memory=self._pin)
-            host_nonfinite.copy_(nonfinite, non_blocking=self._pin)
-            # The caching allocator must not hand these to the next pack before the copies have read them.
+            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=self._pin)
+            host_stats.copy_(stats, non_blocking=self._pin)
+            # The caching allocator must not hand these to the next pass before the copies have read them.
             buffer.record_stream(self._copy_stream)
-            nonfinite.record_stream(self._copy_stream)
+            stats.record_stream(self._copy_stream)
             ready = self._copy_stream.record_event()
-        return _PackResult(pack, bounds, host, host_nonfinite, ready)
+        return _PassResult(group, spans, host, host_stats, ready)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host to device without making the host wait for the queued kernels (from pinned memory on CUDA)."""
@@ -251,55 +309,46 @@ class HiddenStateExtractor:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor.to(self.device)
 
-    def _attention_kwargs(self, bounds: list[int]) -> dict:
-        if self.attn_implementation == "sdpa":
-            return {"packed_bounds": tuple(bounds)}
+    def _packing_kwargs(self, bounds: list[int]) -> dict:
+        kwargs: dict = {"packed_bounds": tuple(bounds)}  # read by packed_attention and segmented linear attention
         if self.attn_implementation == "flash_attention_2":
             offsets = self._to_device(torch.tensor(bounds, dtype=torch.int32))
             longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-            return {
-                "cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets, "max_length_q": longest, "max_length_k": longest
-            }
-        return {}  # Transformers derives a block-diagonal mask from the restarting position ids
+            kwargs.update(cu_seq_lens_q=offsets, cu_seq_lens_k=offsets, max_length_q=longest, max_length_k=longest)
+        return kwargs
 
-    def _nonfinite_per_sequence(self, buffer: torch.Tensor, bounds: list[int]) -> torch.Tensor:
-        """Count of tokens with a NaN or infinite value, per sequence, computed on the device (no sync)."""
-        finite = torch.isfinite(buffer[:, 0]).all(dim=1)
-        for k in range(1, buffer.shape[1]):  # one layer at a time: a [tokens, H] temporary, not [tokens, K, H]
-            finite &= torch.isfinite(buffer[:, k]).all(dim=1)
-        bad_tokens = (~finite).to(torch.int32)
-        running = torch.nn.functional.pad(bad_tokens.cumsum(0, dtype=torch.int32), (1, 0))
-        offsets = self._to_device(torch.tensor(bounds))
-        return running[offsets[1:]] - running[offsets[:-1]]
-
-    def _recover_from_oom(self, pack: list[int], requests: Sequence[ExtractionRequest], lengths: list[int]) -> None:
+    def _recover_from_oom(self, group: list[int], requests: Sequence[ExtractionRequest], lengths: list[int]) -> None:
         self._buffer = None
         if self._cuda:
             torch.cuda.empty_cache()
-        if len(pack) == 1:
-            sample_id = requests[pack[0]].sample_id
+        if len(group) == 1:
+            sample_id = requests[group[0]].sample_id
             raise OutOfMemoryAtMinimumBudget(
-                f"sample {sample_id} ({lengths[pack[0]]} tokens) runs out of device memory even alone",
+                f"sample {sample_id} ({lengths[group[0]]} tokens) runs out of device memory even alone",
                 sample_ids=(sample_id,),
             )
-        pack_tokens = sum(lengths[i] for i in pack)
-        # Below the failed pack's size, so that it is split whatever the budget was.
-        self.effective_token_budget = max(1, min(self.effective_token_budget, pack_tokens) // 2)
+        rows = len(group) * max(lengths[i] for i in group) if self.mode == "padded" else 0
+        pass_tokens = rows or sum(lengths[i] for i in group)
+        # Below the failed pass's size, so that it is split whatever the budget was.
+        self.effective_token_budget = max(1, min(self.effective_token_budget, pass_tokens) // 2)
         log.warning(
-            "out of device memory on a pack of %d sequences (%d tokens); token budget now %d",
-            len(pack), pack_tokens, self.effective_token_budget,
+            "out of device memory on a pass of %d sequences (%d tokens); token budget now %d",
+            len(group), pass_tokens, self.effective_token_budget,
         )
 
-    def _collect(self, results: list[_PackResult], requests: Sequence[ExtractionRequest]) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(requests)
+    def _collect(self, results: list[_PassResult], requests: Sequence[ExtractionRequest]) -> list[CapturedStates]:
+        out: list[CapturedStates | None] = [None] * len(requests)
         nonfinite: list[str] = []
         for result in results:
             result.wait()
-            counts = result.nonfinite.tolist()
-            for slot, index in enumerate(result.indices):
-                out[index] = result.states[result.bounds[slot] : result.bounds[slot + 1]]
-                if counts[slot]:
+            for (start, end), index in zip(result.spans, result.indices):
+                stats = result.token_stats[start:end]
+                if not torch.isfinite(stats[..., 2]).all():
                     nonfinite.append(requests[index].sample_id)
+                summary = torch.stack(
+                    [stats[..., 0].amax(0), stats[..., 1].amin(0), stats[..., 2].median(0).values], dim=1
+                )
+                out[index] = CapturedStates(result.states[start:end], summary)
         if nonfinite:
             raise NonFiniteHiddenStates(
                 f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
@@ -312,22 +361,102 @@ class HiddenStateExtractor:
         def hook(_module: nn.Module, _inputs, output) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
             if self._buffer is not None:
-                self._buffer[:, position].copy_(hidden[0])
+                self._buffer[:, position].copy_(hidden.reshape(-1, hidden.shape[-1]))
 
         return hook
 
-    def _decoder_layers(self) -> nn.ModuleList:
-        return self.model.layers
+    # ---------------------------------------------------------------------------------------------------------
+    # Mode set-up and the load probe
+
+    def _segment_linear_attention(self) -> None:
+        for layer in decoder_layers(self.model):
+            mixer = getattr(layer, "linear_attn", None)
+            if mixer is not None:
+                mixer.forward = segment_sequences(mixer.forward)
+
+    def _use_mode(self, mode: str) -> None:
+        self.mode = mode
+        if mode == "packed" and self.attn_implementation == "sdpa":
+            self._set_attention(PACKED_ATTENTION)
+        else:
+            self._set_attention(self.reference_attention)
+
+    def _set_attention(self, name: str) -> None:
+        if self.model.config._attn_implementation != name:
+            self.model.set_attn_implementation(name)
+
+    def _probe(self) -> None:
+        """Three sequences through the chosen mode against each run alone; on a mismatch in packed mode, fall
+        back to padded batches, and refuse the model if those do not match either."""
+        lengths = [_probe_length(self.profile), 9, 21]
+        generator = torch.Generator().manual_seed(0)
+        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0) or 256
+        requests = [
+            ExtractionRequest(f"probe-{i}", torch.randint(0, vocab, (n,), generator=generator).tolist())
+            for i, n in enumerate(lengths)
+        ]
+        tolerance = default_tolerance(self.dtype)
+        reference = [self.reference_states(r) for r in requests]
+        for mode in ("packed", "padded") if self.mode == "packed" else ("padded",):
+            self._use_mode(mode)
+            budget, self.effective_token_budget = self.effective_token_budget, sum(lengths)
+            try:
+                got = self.extract(requests)
+            finally:
+                self.effective_token_budget = budget
+            error = max(compare_states(g, r).worst for g, r in zip(got, reference))
+            if error <= tolerance:
+                log.info("extraction for %s: %s (probe: max relative error %.2e against sequences run alone)",
+                         self.profile.text_model_type, _mode_label(self, mode), error)
+                return
+            log.warning("extraction for %s: %s is not exact (probe: relative error %.2e > %.1e)",
+                        self.profile.text_model_type, _mode_label(self, mode), error, tolerance)
+        raise UnsupportedArchitecture(
+            f"{self.profile.text_model_type}: neither packed nor padded extraction reproduces a sequence run alone "
+            f"(relative error {error:.2e} > {tolerance:.1e}); refusing to extract states that would be wrong"
+        )
 
 
-def _backend(attn_implementation: str) -> str:
-    return PACKED_SDPA if attn_implementation == "sdpa" else attn_implementation
+def require_supported(config, attn_implementation: str, packing: str) -> ArchitectureProfile:
+    profile = profile_config(config, attn_implementation=attn_implementation, packing=packing)
+    if profile.refusal:
+        raise UnsupportedArchitecture(f"cannot extract exact hidden states of {profile.describe()}")
+    return profile
+
+
+def _native_attention(profile: ArchitectureProfile, attn_implementation: str) -> str:
+    return profile.reference_attention if attn_implementation == "sdpa" else attn_implementation
+
+
+def _mode_label(extractor: HiddenStateExtractor, mode: str) -> str:
+    if mode == "padded":
+        return f"padded batches ({extractor.profile.why_padded or 'packing was not exact'}), " \
+               f"{extractor.reference_attention} attention"
+    linear = ", linear attention per sequence" if "linear attention" in extractor.profile.features else ""
+    attention = "per-sequence attention" if extractor.attn_implementation == "sdpa" else extractor.attn_implementation
+    return f"packed sequences ({attention}{linear})"
+
+
+def _probe_length(profile: ArchitectureProfile) -> int:
+    """Long enough to cross a small sliding window and a linear-attention chunk (64 tokens)."""
+    window = int(profile.features.get("sliding window", "0") or 0)
+    return max(70, min(window + 5, 512))
+
+
+def _token_stats(buffer: torch.Tensor) -> torch.Tensor:
+    """[rows, K, 3] float32: per token and captured layer, the largest value, the smallest and the RMS."""
+    stats = torch.empty((buffer.shape[0], buffer.shape[1], 3), dtype=torch.float32, device=buffer.device)
+    width = buffer.shape[2]
+    for k in range(buffer.shape[1]):  # one layer at a time: [rows, H] reductions, no [rows, K, H] temporary
+        layer = buffer[:, k]
+        stats[:, k, 0] = layer.amax(dim=1)
+        stats[:, k, 1] = layer.amin(dim=1)
+        stats[:, k, 2] = torch.linalg.vector_norm(layer, dim=1, dtype=torch.float32) / width**0.5
+    return stats
 
 
 def _truncate_layers(model: nn.Module, keep: int) -> nn.Module:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no decoder 'layers' list; this architecture is not supported")
+    layers = decoder_layers(model)
     if keep < len(layers):
         model.layers = nn.ModuleList(list(layers)[:keep])
         model.config.num_hidden_layers = keep

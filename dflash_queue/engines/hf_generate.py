@@ -10,10 +10,11 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from dflash_queue.config import Config, SamplingConfig
 from dflash_queue.engines.base import Generation, GenerationRequest
+from dflash_queue.engines.decoder import load_causal_lm
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
 
 
@@ -25,9 +26,9 @@ class TransformersGenerateEngine:
         self.batch_size = config.generate.batch_size
         self.device = resolve_device(config.model.device)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            config.model.path, dtype=resolve_dtype(config.model.dtype, self.device)
-        ).to(self.device)
+        # A multimodal checkpoint gives its text-only causal LM: prompts here are text.
+        self.model = load_causal_lm(config.model.path, dtype=resolve_dtype(config.model.dtype, self.device),
+                                    device=self.device)
         self.model.eval()
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]

@@ -19,6 +19,7 @@ import torch
 
 from dflash_queue.exports.conventions import DECODER_LAYER_OUTPUT, checked_layer_ids, convert_layer_ids
 from dflash_queue.exports.formats import ExportFormat
+from dflash_queue.shards.training import FINAL_NORM
 from dflash_queue.storage.base import Storage
 from dflash_queue.training.dataset import ShardDataset
 
@@ -69,17 +70,18 @@ def export_dataset(
         bad_shards=list(dataset.bad_shards),
         dropped=Counter(dataset.dropped),
     )
-    layers, num_layers = None, 0
+    layers, num_layers, layer_states = None, 0, ()
     for index in dataset.shards:
         layers, num_layers = checked_layer_ids(index)  # the dataset already made every shard agree
+        layer_states = index.layer_states
     if layers is None:
         raise ValueError("no readable shard to export")
     report.target_layer_ids = convert_layer_ids(layers, DECODER_LAYER_OUTPUT, export_format.layer_convention)
-    if export_format.name == "speculators" and layers[-1] != num_layers - 1:
+    if export_format.name == "speculators" and layer_states[-1] != FINAL_NORM:
         report.notes.append(
-            f"speculators reads the last of the K layers as the target's final hidden state; these shards end "
-            f"at decoder layer {layers[-1]} of {num_layers} (extract with the last layer {num_layers - 1} included "
-            "for EAGLE-3 training)"
+            f"speculators reads the last of the K layers as the target's final hidden state (after the final "
+            f"norm); the last entry of these shards is decoder layer {layers[-1]} of {num_layers} before any norm "
+            "(extract with extract.final_norm_state = true for EAGLE-3 training)"
         )
 
     with tempfile.NamedTemporaryFile("w+", prefix="dfq-export-index-", suffix=".jsonl") as index_file:
@@ -116,6 +118,9 @@ def export_dataset(
         export_format.layer_ids_key: report.target_layer_ids,
         "source_layer_ids": layers,
         "source_layer_convention": DECODER_LAYER_OUTPUT,
+        # Per entry: "decoder_output" (before any norm) or "final_norm" (the last layer after the final norm,
+        # Transformers' hidden_states[num_model_layers]).
+        "layer_states": list(layer_states),
         "hidden_dtype": str(dataset.hidden_dtype).removeprefix("torch."),
         "num_samples": report.samples,
         "num_tokens": report.tokens,

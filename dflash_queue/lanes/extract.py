@@ -7,10 +7,16 @@ engine at a time); reading the completions shard, writing the safetensors file a
 outside it. So while one task waits for its shard to reach storage, the next task already computes, and when
 uploads fall behind, tasks queue at the uploader's bounded staging area (back-pressure) rather than on disk.
 One task per shard keeps re-delivery simple: a shard is either stored whole or computed again.
+
+Every shard is checked before it is written (see engines/state_checks.py): `extract.canary_samples` samples,
+chosen from the shard id, are recomputed alone through the model's own attention and compared with their packed
+states, and every sample's layers are checked for states no forward pass gives. Either failing fails the task
+for good: its dead letter names the sample, the layer and the error, and nothing wrong is stored.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,7 +28,8 @@ import transformers
 
 import dflash_queue
 from dflash_queue.config import Config
-from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue.engines.hf_extract import CapturedStates, ExtractionRequest, HiddenStateExtractor
+from dflash_queue.engines.state_checks import check_canary, check_plausible, default_tolerance
 from dflash_queue import faults
 from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.lanes.isolation import run_isolating
@@ -43,9 +50,13 @@ class ExtractSummary:
     skipped: bool = False
     # (sample id, error) of each sample isolated as the cause of an engine failure: left out of the shard.
     poisoned: tuple[tuple[str, BaseException], ...] = ()
+    # Canary samples recomputed alone, and their worst relative error against the packed states (None: none).
+    canary_samples: int = 0
+    canary_error: float | None = None
 
     def counters(self) -> dict[str, int]:
         return {
+            "extract_canary_samples": self.canary_samples,
             "extract_samples": self.num_samples,
             "extract_tokens": self.num_tokens,
             "extract_bytes": self.num_bytes,
@@ -77,7 +88,9 @@ class ExtractLane:
         self.uploader = uploader or ShardUploader.from_config(config, self.storage)
         self.info = ShardInfo(
             target_model=config.model.display_name,
-            layer_ids=tuple(extractor.layer_ids),
+            layer_ids=tuple(layer for layer, _ in extractor.captured),
+            layer_states=tuple(kind for _, kind in extractor.captured),
+            extraction=extractor.mode,
             num_model_layers=extractor.num_model_layers,
             hidden_size=extractor.hidden_size,
             dtype=config.extract.hidden_dtype,
@@ -105,13 +118,20 @@ class ExtractLane:
         dropped = [(r.id, r.quality) for r in records if not r.kept]
         requests = [ExtractionRequest(r.id, r.input_ids) for r in kept]
         with self._compute_slot(shard_id):
-            isolated = run_isolating(requests, self._extract, [r.sample_id for r in requests])
+            isolated = run_isolating(requests, self._capture, [r.sample_id for r in requests])
+            canary = self._check_canaries(shard_id, requests, isolated.results, isolated.ok)
+        check_plausible(
+            [requests[i].sample_id for i in isolated.ok],
+            [isolated.results[i].summary for i in isolated.ok],  # type: ignore[union-attr]
+            self.layer_names,
+            self.config.extract.rms_outlier_factor,
+        )
         samples = [
             ExtractedSample(
                 id=kept[i].id,
                 input_ids=torch.tensor(requests[i].input_ids, dtype=torch.int32),
                 loss_mask=torch.tensor(kept[i].loss_mask(), dtype=torch.uint8),
-                hidden_states=isolated.results[i],
+                hidden_states=isolated.results[i].states,  # type: ignore[union-attr]
                 finish_reason=kept[i].finish_reason,
                 thinking=kept[i].thinking,
                 quality=kept[i].quality,
@@ -127,18 +147,63 @@ class ExtractLane:
         del isolated
         with self.uploader.stage(shard_id) as staged:
             write_training_shard(
-                staged.path, samples, self.info, dropped=dropped, dead=dead  # type: ignore[arg-type]
+                staged.path, samples, self.info, dropped=dropped, dead=dead, canary=canary  # type: ignore[arg-type]
             )
             size = staged.path.stat().st_size
             num_samples = len(samples)
             del samples
             stored = self.uploader.upload(staged, out_key)
         stored.result()
-        return ExtractSummary(shard_id, num_samples, num_tokens, size, poisoned=poisoned)
+        return ExtractSummary(
+            shard_id,
+            num_samples,
+            num_tokens,
+            size,
+            poisoned=poisoned,
+            canary_samples=len(canary["samples"]) if canary else 0,
+            canary_error=canary["relative_error"] if canary else None,
+        )
 
-    def _extract(self, requests: list[ExtractionRequest]) -> list[torch.Tensor]:
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"{layer} ({kind})" for layer, kind in self.extractor.captured]
+
+    def _capture(self, requests: list[ExtractionRequest]) -> list[CapturedStates]:
         faults.check_poison("extract", (r.sample_id for r in requests))
-        return self.extractor.extract(requests)
+        return self.extractor.capture(requests, break_packing=faults.packing_broken())
+
+    def _check_canaries(
+        self,
+        shard_id: str,
+        requests: list[ExtractionRequest],
+        results: list[CapturedStates | None],
+        ok: list[int],
+    ) -> dict | None:
+        """Recompute `extract.canary_samples` samples alone and compare; raises CanaryMismatch above tolerance.
+        The samples are drawn from the shard id, so a re-delivered task checks the same ones."""
+        count = min(self.config.extract.canary_samples, len(ok))
+        if not count:
+            return None
+        tolerance = self.config.extract.canary_tolerance or default_tolerance(self.extractor.dtype)
+        chosen = sorted(random.Random(shard_id).sample(ok, count))
+        differences = [
+            check_canary(
+                requests[i].sample_id,
+                results[i].states,  # type: ignore[union-attr]
+                self.extractor.reference_states(requests[i]),
+                self.layer_names,
+                tolerance,
+            )
+            for i in chosen
+        ]
+        per_layer = [max(d.relative[k] for d in differences) for k in range(len(self.layer_names))]
+        return {
+            "samples": [requests[i].sample_id for i in chosen],
+            "relative_error": max(per_layer),
+            "relative_error_per_layer": per_layer,
+            "worst_token_error": max(max(d.worst_token) for d in differences),
+            "tolerance": tolerance,
+        }
 
     def begin_shutdown(self) -> None:
         """Tasks that have not reached the engine yet give up (and are requeued); the others finish."""
@@ -176,4 +241,6 @@ def build_extractor(config: Config) -> HiddenStateExtractor:
         token_budget=config.extract.token_budget,
         attn_implementation=config.extract.attn_implementation,
         pin_memory=config.extract.pin_memory,
+        packing=config.extract.packing,
+        final_norm_state=config.extract.final_norm_state,
     )

@@ -18,7 +18,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
-from dflash_queue.ledger import DONE, FAILED, GENERATED, QUEUED, Ledger
+from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, GENERATED, QUEUED, Ledger
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE
 
 LANES = {"generate": GENERATE_QUEUE, "extract": EXTRACT_QUEUE}
@@ -66,6 +66,9 @@ class LaneStatus:
     quality_dropped: int = 0
     dead_letters: int = 0
     eta_s: float | None = None
+    # Extract lane: samples recomputed alone by the canary, and the worst relative error any of them showed.
+    canary_samples: int = 0
+    canary_worst_error: float | None = None
 
 
 @dataclass
@@ -155,6 +158,7 @@ def collect_status(
     try:
         ledger = Ledger(client, config.run.name)
         counters = ledger.counters()
+        maxima = ledger.maxima()
         window = ledger.window(window_s, now=now)
         states = ledger.states()
         sizes = ledger.shard_sizes()
@@ -193,6 +197,9 @@ def collect_status(
         if lane == "generate":
             status.quality = {k: v for k, v in sorted(counters.items()) if k.startswith(QUALITY_PREFIX)}
             status.quality_dropped = counters.get("gate_drop", 0)
+        else:
+            status.canary_samples = counters.get("extract_canary_samples", 0)
+            status.canary_worst_error = maxima.get(CANARY_ERROR)
         # Shards, not samples, measure what is left: the quality gate may shrink a shard on its way.
         shard_rate = window.rate(f"{lane}_shards")
         if not states:

@@ -28,6 +28,7 @@ def status_table(status: RunStatus) -> Group:
         ("tokens", _tokens),
         ("throughput", _throughput),
         ("quality gate", _quality),
+        ("canary", _canary),
         ("dead letters", lambda s: f"{s.dead_letters:,}"),
         ("ETA", _eta),
     ]
@@ -85,3 +86,11 @@ def _quality(s: LaneStatus) -> str:
         return "—"
     details = ", ".join(f"{k.removeprefix('gate_')} {v:,}" for k, v in s.quality.items())
     return f"{s.quality_dropped:,} dropped ({details})"
+
+
+def _canary(s: LaneStatus) -> str:
+    if s.lane != "extract":
+        return "—"
+    if not s.canary_samples or s.canary_worst_error is None:
+        return "no sample checked yet"
+    return f"{s.canary_samples:,} samples rerun alone, worst relative error {s.canary_worst_error:.2e}"

@@ -198,14 +198,17 @@ def extract_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str,
     _dead_letter_poisoned(self, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
     if not summary.skipped:
         _count_once(rt, self, "extract", shard_id, redo, {**summary.counters(), "extract_busy_ms": timing.busy_ms})
+    if summary.canary_error is not None:
+        rt.ledger.record_max(states.CANARY_ERROR, summary.canary_error)
     rt.ledger.set_state(shard_id, states.DONE)
     rt.dead_letters.settle("extract", shard_id)
     log.info(
-        "extracted shard %s: %d samples, %d tokens, %d bytes%s%s",
+        "extracted shard %s: %d samples, %d tokens, %d bytes%s%s%s",
         shard_id,
         summary.num_samples,
         summary.num_tokens,
         summary.num_bytes,
+        f"; canary relative error {summary.canary_error:.2e}" if summary.canary_error is not None else "",
         f"; {len(summary.poisoned)} dead-lettered" if summary.poisoned else "",
         " (already stored)" if summary.skipped else "",
     )

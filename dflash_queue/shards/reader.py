@@ -19,7 +19,7 @@ from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8
 from dflash_queue.shards.layout import SafetensorsLayout, TensorSpec
 from dflash_queue.shards.ranges import ByteSource, read_layout
-from dflash_queue.shards.training import FORMAT
+from dflash_queue.shards.training import DECODER_OUTPUT, FORMAT, LAYER_STATES
 
 # The stored tensor dtype each `dtype` metadata value implies.
 STORED_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FP8_NAME: "F8_E4M3"}
@@ -53,6 +53,8 @@ class ShardIndex:
     layer_ids: tuple[int, ...]
     hidden_size: int
     dtype: str
+    # Per layer id: "decoder_output" (before any norm) or "final_norm" (after the model's final norm).
+    layer_states: tuple[str, ...] = ()
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -103,6 +105,7 @@ class ShardIndex:
         layer_ids = _json_list(meta, "layer_ids", where, int)
         hidden_size = _int(meta, "hidden_size", where)
         tensors = _check_tensors(layout, where, dtype=dtype, num_layers=len(layer_ids), hidden_size=hidden_size)
+        layer_states = _layer_states(meta, where, len(layer_ids))
 
         offsets_spec = tensors["offsets"]
         raw = source.read(*offsets_spec.row_range(0, offsets_spec.shape[0]))
@@ -128,6 +131,7 @@ class ShardIndex:
             layer_ids=tuple(layer_ids),
             hidden_size=hidden_size,
             dtype=dtype,
+            layer_states=layer_states,
         )
 
 
@@ -245,3 +249,15 @@ def _quality_flags(meta: dict[str, str], where: str, count: int) -> tuple[tuple[
     if len(value) != count:
         raise ShardFormatError(f"{where}: per-sample quality flags have {len(value)} entries for {count} samples")
     return tuple(tuple(flags) for flags in value)
+
+
+def _layer_states(meta: dict[str, str], where: str, count: int) -> tuple[str, ...]:
+    """Shards written before `layer_states` existed hold decoder-layer outputs only."""
+    if "layer_states" not in meta:
+        return (DECODER_OUTPUT,) * count
+    states = _json_list(meta, "layer_states", where, str)
+    if len(states) != count or any(state not in LAYER_STATES for state in states):
+        raise ShardFormatError(
+            f"{where}: metadata layer_states {states!r} must give one of {list(LAYER_STATES)} per layer id ({count})"
+        )
+    return tuple(states)

@@ -8,7 +8,11 @@ Tensors:
   hidden_scales  fp32   [T, K]      only when dtype is fp8_e4m3: states = fp8 * scale (see fp8.py)
 
 Metadata (all strings, JSON where structured) says what the tensors mean: target model, layer ids and their
-convention, dtype, sample ids, finish reasons, versions, and the quality gate's word per sample (`quality`:
+convention, what each captured entry is (`layer_states`: "decoder_output", the residual stream after decoder
+layer i before any norm, or "final_norm", the last layer after the model's final norm, which is Transformers'
+last `hidden_states` entry), how the states were computed (`extraction`: "packed" or "padded") and the canary's
+check of them (`canary`: samples recomputed alone and their relative error per layer), dtype, sample ids,
+finish reasons, versions, and the quality gate's word per sample (`quality`:
 flags, answer tokens, thinking state, so that training can filter flagged samples) and on the samples it
 dropped (`dropped`: id and failed checks; they are not in the tensors). A shard whose samples were all dropped
 holds no tokens.
@@ -35,6 +39,10 @@ FORMAT_VERSION = "1"
 # "Layer i" is the output of decoder layer i (before the final norm): Transformers' hidden_states[i + 1].
 LAYER_CONVENTION = "decoder_layer_output"
 HF_HIDDEN_STATES_INDEX = "layer_id + 1"
+# What a captured entry is: the residual stream after its decoder layer, or the last layer after the final norm.
+DECODER_OUTPUT = "decoder_output"
+FINAL_NORM = "final_norm"
+LAYER_STATES = (DECODER_OUTPUT, FINAL_NORM)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -59,6 +67,12 @@ class ShardInfo:
     dtype: str
     config_fingerprint: str
     versions: dict[str, str]
+    # One per layer id; empty means every entry is a decoder layer's output.
+    layer_states: tuple[str, ...] = ()
+    extraction: str = "packed"
+
+    def states(self) -> tuple[str, ...]:
+        return self.layer_states or (DECODER_OUTPUT,) * len(self.layer_ids)
 
     def to_metadata(self) -> dict[str, str]:
         return {
@@ -66,6 +80,7 @@ class ShardInfo:
             "format_version": FORMAT_VERSION,
             "target_model": self.target_model,
             "layer_ids": json.dumps(list(self.layer_ids)),
+            "layer_states": json.dumps(list(self.states())),
             "layer_convention": LAYER_CONVENTION,
             "hf_hidden_states_index": HF_HIDDEN_STATES_INDEX,
             "num_model_layers": str(self.num_model_layers),
@@ -73,6 +88,7 @@ class ShardInfo:
             "dtype": self.dtype,
             "config_fingerprint": self.config_fingerprint,
             "versions": json.dumps(self.versions, sort_keys=True),
+            "extraction": self.extraction,
         }
 
 
@@ -108,10 +124,12 @@ def write_training_shard(
     *,
     dropped: Sequence[tuple[str, Verdict]] = (),
     dead: Sequence[str] = (),
+    canary: dict[str, Any] | None = None,
 ) -> None:
     """Write one shard. `dropped`: (id, verdict) of samples the quality gate left out; `dead`: ids of samples
-    left out because they alone made the engine fail (each has a dead letter). A shard may be empty only when
-    every one of its samples was dropped or is dead."""
+    left out because they alone made the engine fail (each has a dead letter); `canary`: the run-time check of
+    the states (see lanes/extract.py). A shard may be empty only when every one of its samples was dropped or is
+    dead."""
     if not samples and not dropped and not dead:
         raise ShardFormatError("refusing to write an empty shard")
     for sample in samples:
@@ -144,6 +162,8 @@ def write_training_shard(
     metadata["quality"] = json.dumps([quality_entry(s.quality) for s in samples])
     metadata["dropped"] = json.dumps([{"id": i, "flags": list(v.flags)} for i, v in dropped])
     metadata["dead_lettered"] = json.dumps(list(dead))
+    if canary is not None:
+        metadata["canary"] = json.dumps(canary)
     save_file(tensors, str(path), metadata=metadata)
 
 

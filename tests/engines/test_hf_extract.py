@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
-from dflash_queue.engines.hf_extract import PACKED_SDPA, ExtractionRequest, HiddenStateExtractor
+from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue.engines.packed_attention import PACKED_ATTENTION
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget
 
 
@@ -167,7 +168,7 @@ def test_one_prefill_equals_step_by_step_generation(tiny_model, extractor):
 
 
 def test_sdpa_runs_attention_per_packed_sequence(extractor):
-    assert extractor.model.config._attn_implementation == PACKED_SDPA
+    assert extractor.model.config._attn_implementation == PACKED_ATTENTION
 
 
 def test_an_extractor_around_a_model_in_memory_matches_one_loaded_from_its_path(tiny_model, extractor):

@@ -32,13 +32,13 @@ class ObservedExtractor:
         self.calls = 0
         self._lock = threading.Lock()
 
-    def extract(self, requests):
+    def capture(self, requests, **kwargs):
         with self._lock:
             self.active += 1
             self.calls += 1
             self.most_active = max(self.most_active, self.active)
         try:
-            return self.inner.extract(requests)
+            return self.inner.capture(requests, **kwargs)
         finally:
             with self._lock:
                 self.active -= 1

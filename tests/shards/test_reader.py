@@ -88,6 +88,8 @@ def test_quality_flags_are_read_from_the_verdicts(tmp_path):
         ({"dtype": "float32"}, "tensor 'hidden_states' is BF16, expected F32"),
         ({"layer_ids": "[1, 2, 3]"}, "tensor 'hidden_states' has shape \\[21, 2, 8\\], expected \\[21, 3, 8\\]"),
         ({"hidden_size": "eight"}, "metadata 'hidden_size' is 'eight', not an integer"),
+        ({"layer_states": '["decoder_output"]'}, "layer_states .* per layer id \\(2\\)"),
+        ({"layer_states": '["decoder_output", "pre_norm"]'}, "must give one of"),
         ({"sample_ids": json.dumps(["a", "b"])}, "metadata 'sample_ids' has 2 entries for 3 samples"),
         ({"finish_reasons": "{bad"}, "metadata 'finish_reasons' is not valid JSON"),
         ({"thinking": None}, "metadata key 'thinking' is missing"),

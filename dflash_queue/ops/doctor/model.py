@@ -1,10 +1,12 @@
-"""The target model: config and tokenizer load, the configured layers exist, and the chat template can do
-what the thinking policy asks of it."""
+"""The target model: config and tokenizer load, the configured layers exist, the extraction engine can run the
+architecture exactly (and how: packed or padded), and the chat template can do what the thinking policy asks of
+it."""
 
 from __future__ import annotations
 
 from dflash_queue.config import Config
 from dflash_queue.data.samples import Message
+from dflash_queue.engines.architecture import profile_config
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.layers import resolve_layer_ids
 from dflash_queue.ops.doctor.result import Check
@@ -32,6 +34,7 @@ def check_model(config: Config) -> tuple[list[Check], object | None]:
             checks.append(Check.failed("model", f"{detail}; extract layers: {exc}"))
         else:
             checks.append(Check.passed("model", f"{detail}; extracting layers {ids}"))
+        checks.append(check_architecture(model_config, config))
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
@@ -45,6 +48,17 @@ def check_model(config: Config) -> tuple[list[Check], object | None]:
         return checks, None
     checks.append(Check.passed("tokenizer", f"{config.model.tokenizer_path}: {len(tokenizer)} tokens, chat template"))
     return checks, tokenizer
+
+
+def check_architecture(model_config, config: Config) -> Check:
+    """Whether hidden states of this architecture can be extracted exactly, from its config alone; the worker
+    confirms the choice with a probe when it loads the weights."""
+    profile = profile_config(
+        model_config, attn_implementation=config.extract.attn_implementation, packing=config.extract.packing
+    )
+    if profile.refusal:
+        return Check.failed("architecture", profile.describe())
+    return Check.passed("architecture", profile.describe())
 
 
 def check_thinking_template(tokenizer, policy: str) -> Check:

@@ -45,8 +45,9 @@ def test_templates_without_a_switch(tiny_model, template, policy, verdict):
 
 def test_model_and_tokenizer_load_and_layers_exist(make_config):
     checks, tokenizer = check_model(make_config())
-    assert [(c.name, c.verdict) for c in checks] == [("model", "pass"), ("tokenizer", "pass")]
+    assert [(c.name, c.verdict) for c in checks] == [("model", "pass"), ("architecture", "pass"), ("tokenizer", "pass")]
     assert "6 layers, hidden 128; extracting layers [1, 2, 3]" in checks[0].detail
+    assert checks[1].detail == "qwen3: 6 layers (6 full_attention), hidden 128; extraction packed"
     assert tokenizer is not None
 
     too_many = make_config("k5.toml", extract={"num_draft_layers": 5})

@@ -1,0 +1,162 @@
+"""Loading the target's text decoder, from a text-only or a multimodal checkpoint, with every weight checked.
+
+A multimodal checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`, Gemma 3's `Gemma3ForConditionalGeneration`)
+holds its text decoder under a prefix such as `model.language_model.`. Only that decoder is loaded: the text
+config decides the class (`AutoModel` / `AutoModelForCausalLM` of the text config's type) and the prefix is
+mapped away (`key_mapping`), so no vision tower is built or read.
+
+Every load asks Transformers which weights it did not find: a decoder with a weight left at its random
+initialisation computes states that look plausible and are worthless, so a missing weight refuses the load.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_queue.errors import ConfigError
+
+_INDEX = "model.safetensors.index.json"
+_EMBEDDINGS = "embed_tokens.weight"
+# Where multimodal checkpoints keep their text decoder, most specific first (checked against the actual keys).
+_TEXT_PREFIX_HINTS = ("language_model", "text_model", "llm")
+
+
+class UnsupportedArchitecture(ConfigError):
+    """The target cannot be run exactly by the extraction engine; the message names what is missing."""
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """What a checkpoint directory holds: its config, the text decoder's config, and the key prefix of the text
+    decoder's weights ("" for a text-only checkpoint whose base model is the decoder)."""
+
+    config: object
+    text_config: object
+    text_prefix: str | None
+
+    @property
+    def multimodal(self) -> bool:
+        return self.text_config is not self.config
+
+    @property
+    def model_type(self) -> str:
+        return str(getattr(self.config, "model_type", "?"))
+
+    @property
+    def text_model_type(self) -> str:
+        return str(getattr(self.text_config, "model_type", "?"))
+
+
+def read_layout(path: str) -> CheckpointLayout:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    text_config = config.get_text_config()
+    prefix = _text_decoder_prefix(Path(path)) if text_config is not config else None
+    return CheckpointLayout(config, text_config, prefix)
+
+
+def load_text_decoder(path: str, *, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> nn.Module:
+    """The base (no LM head) text decoder of the checkpoint at `path`, on `device`, every weight loaded."""
+    from transformers import AutoModel
+
+    layout = read_layout(path)
+    kwargs = _load_kwargs(layout, dtype, device, attn_implementation, prefix_target="")
+    model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
+    _require_complete(model, info, path, layout)
+    return model.to(device)
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The text decoder with its LM head, for generation; a multimodal checkpoint gives its text-only causal LM
+    (Qwen3.5 -> `Qwen3_5ForCausalLM`, Gemma 3 -> `Gemma3ForCausalLM`)."""
+    from transformers import AutoModelForCausalLM
+
+    layout = read_layout(path)
+    kwargs = _load_kwargs(layout, dtype, device, None, prefix_target="model.")
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    _require_complete(model, info, path, layout)
+    return model.to(device)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise UnsupportedArchitecture(
+            f"{type(model).__name__} ({getattr(model.config, 'model_type', '?')}) has no list of decoder layers "
+            "('layers'); the extraction engine hooks decoder layers and cannot run this architecture"
+        )
+    return layers
+
+
+def _load_kwargs(
+    layout: CheckpointLayout, dtype: torch.dtype, device: torch.device, attn: str | None, *, prefix_target: str
+) -> dict:
+    kwargs: dict = {"dtype": dtype}
+    if attn is not None:
+        kwargs["attn_implementation"] = attn
+    if device.type == "cuda":
+        kwargs["device_map"] = str(device)  # straight to the GPU, never a full host copy
+    if layout.multimodal:
+        if not layout.text_prefix:
+            raise UnsupportedArchitecture(
+                f"{layout.model_type}: a multimodal checkpoint whose text decoder weights were not found (no "
+                f"'*{_EMBEDDINGS}' under a language-model prefix)"
+            )
+        kwargs["config"] = layout.text_config
+        kwargs["key_mapping"] = {f"^{re.escape(layout.text_prefix)}": prefix_target}
+    return kwargs
+
+
+def _require_complete(model: nn.Module, info: dict, path: str, layout: CheckpointLayout) -> None:
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or ()))
+    tied = {name for name, _ in _tied_parameters(model)}
+    missing = [name for name in missing if name not in tied]
+    if missing or mismatched:
+        shown = ", ".join((missing + mismatched)[:6]) + (" ..." if len(missing) + len(mismatched) > 6 else "")
+        raise UnsupportedArchitecture(
+            f"{path}: {layout.text_model_type} loads with {len(missing)} weights missing and {len(mismatched)} of "
+            f"the wrong shape ({shown}); they would run at their random initialisation"
+        )
+
+
+def _tied_parameters(model: nn.Module):
+    tied = getattr(model, "all_tied_weights_keys", None) or {}
+    return tied.items() if isinstance(tied, dict) else ()
+
+
+def checkpoint_keys(directory: Path) -> list[str]:
+    index = directory / _INDEX
+    if index.is_file():
+        return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            keys.extend(handle.keys())
+    return keys
+
+
+def _text_decoder_prefix(directory: Path) -> str | None:
+    """The prefix under which the checkpoint stores its text decoder (`model.language_model.`), found from the
+    weight names: the one holding both `embed_tokens.weight` and `layers.0.` weights."""
+    keys = checkpoint_keys(directory) if directory.is_dir() else []
+    candidates = []
+    for key in keys:
+        if key.endswith(_EMBEDDINGS):
+            prefix = key[: -len(_EMBEDDINGS)]
+            if any(k.startswith(f"{prefix}layers.0.") for k in keys):
+                candidates.append(prefix)
+    for hint in _TEXT_PREFIX_HINTS:
+        for prefix in candidates:
+            if hint in prefix:
+                return prefix
+    return candidates[0] if len(candidates) == 1 else None

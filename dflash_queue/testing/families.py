@@ -1,0 +1,218 @@
+"""Tiny random-weight checkpoints of every model family drafters are trained for, built offline.
+
+Each family is one of Transformers' own config classes at toy size, saved with the tiny tokenizer (the same
+vocabulary and chat template as `tiny_model`), the way Transformers' own tests build models: hybrid linear
+attention (Qwen3.5 text-only and multimodal, Qwen3-Next), sliding windows (Mistral, Gemma 2/3), attention sinks
+(gpt-oss), logit soft-capping (Gemma 2), mixtures of experts (Qwen3-MoE, Qwen3-Next, gpt-oss), dense (Qwen3,
+Llama), and a short-convolution hybrid (LFM2) that only runs unpacked.
+
+Weights are drawn at a standard deviation of `INIT_STD` instead of the usual 0.02: at init scale the states are
+nearly zero and a wrong answer (a window ignored, a recurrent state leaking into the next sequence) hides below
+any tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+INIT_STD = 0.2
+HIDDEN = 64
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 16
+NUM_LAYERS = 6
+WINDOW = 16  # sliding window: far below the test sequences' lengths
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    build: Callable[[int], object]  # vocab size -> a model with random weights
+    # What the extraction engine is expected to do with it.
+    mode: str = "packed"
+    # The model's own attention that applies all its features (SDPA drops soft-capping).
+    reference_attention: str = "sdpa"
+    multimodal: bool = False
+
+
+def _common(vocab: int, **extra) -> dict:
+    return {
+        "vocab_size": vocab,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 2 * HIDDEN,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "max_position_embeddings": 4096,
+        "initializer_range": INIT_STD,
+        "tie_word_embeddings": False,
+        **extra,
+    }
+
+
+_HYBRID = ["linear_attention", "linear_attention", "full_attention"] * (NUM_LAYERS // 3)
+_LINEAR = {
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+}
+_INTERLEAVED = ["sliding_attention", "sliding_attention", "full_attention"] * (NUM_LAYERS // 3)
+
+
+def _qwen3(vocab):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**_common(vocab)))
+
+
+def _llama(vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_common(vocab)))
+
+
+def _qwen3_moe(vocab):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(**_common(vocab, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32))
+    )
+
+
+def _qwen3_5_text(vocab):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**_common(vocab, layer_types=_HYBRID, **_LINEAR)))
+
+
+def _qwen3_5(vocab):
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": HIDDEN,
+              "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2}
+    text = _common(vocab, layer_types=_HYBRID, **_LINEAR)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    config.initializer_range = INIT_STD
+    return Qwen3_5ForConditionalGeneration(config)
+
+
+def _qwen3_next(vocab):
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    return Qwen3NextForCausalLM(
+        Qwen3NextConfig(
+            **_common(vocab, layer_types=_HYBRID, **_LINEAR),
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )
+    )
+
+
+def _mistral(vocab):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**_common(vocab), sliding_window=WINDOW))
+
+
+def _gemma3_text(vocab):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(**_common(vocab), sliding_window=WINDOW, layer_types=_INTERLEAVED))
+
+
+def _gemma3(vocab):
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vision = {"num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+              "image_size": 32, "patch_size": 8}
+    text = _common(vocab, sliding_window=WINDOW, layer_types=_INTERLEAVED)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, tie_word_embeddings=False)
+    config.initializer_range = INIT_STD
+    return Gemma3ForConditionalGeneration(config)
+
+
+def _gemma2(vocab):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM(
+        Gemma2Config(**_common(vocab), sliding_window=WINDOW, layer_types=_INTERLEAVED, attn_logit_softcapping=5.0)
+    )
+
+
+def _gpt_oss(vocab):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    return GptOssForCausalLM(
+        GptOssConfig(
+            **_common(vocab), num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+            layer_types=_INTERLEAVED,
+        )
+    )
+
+
+def _lfm2(vocab):
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    kinds = ["conv", "conv", "full_attention"] * (NUM_LAYERS // 3)
+    config = _common(vocab, layer_types=kinds)
+    del config["head_dim"]
+    return Lfm2ForCausalLM(Lfm2Config(**config, conv_L_cache=3, block_auto_adjust_ff_dim=False))
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("qwen3", _qwen3),
+        Family("llama", _llama),
+        Family("qwen3_moe", _qwen3_moe),
+        Family("qwen3_5_text", _qwen3_5_text),
+        Family("qwen3_5", _qwen3_5, multimodal=True),
+        Family("qwen3_next", _qwen3_next),
+        Family("mistral", _mistral),
+        Family("gemma3_text", _gemma3_text),
+        Family("gemma3", _gemma3, multimodal=True),
+        Family("gemma2", _gemma2, reference_attention="eager"),
+        Family("gpt_oss", _gpt_oss, reference_attention="eager"),
+        Family("lfm2", _lfm2, mode="padded"),
+    )
+}
+
+
+def build_family(name: str, out_dir: str | Path, tokenizer_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write family `name` as a checkpoint (float32 safetensors, the tiny tokenizer, a generation config) into
+    `out_dir` and return it; an existing build is reused."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+
+    out_dir = Path(out_dir)
+    marker = out_dir / "family.json"
+    if marker.is_file():
+        return out_dir
+    family = FAMILIES[name]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = family.build(len(tokenizer)).to(torch.float32).eval()
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=[eos, pad], pad_token_id=pad)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for file in _TOKENIZER_FILES:
+        if (Path(tokenizer_dir) / file).is_file():
+            shutil.copy(Path(tokenizer_dir) / file, tmp / file)
+    (tmp / "family.json").write_text(json.dumps({"family": name, "seed": seed}) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)  # an unfinished build (no marker)
+    tmp.rename(out_dir)
+    return out_dir
