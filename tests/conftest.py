@@ -47,6 +47,17 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen3")
 
 
+@pytest.fixture(scope="session")
+def tiny_family(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Build (once per session) the tiny checkpoint of a model family (dflash_queue.testing.families)."""
+    from dflash_queue.testing.families import build_family
+
+    def build(name: str) -> Path:
+        return build_family(name, tmp_path_factory.getbasetemp() / f"family-{name}", tiny_model)
+
+    return build
+
+
 @pytest.fixture
 def make_config(tmp_path: Path, tiny_model: Path, redis_url: str) -> Callable[..., Config]:
     """Write a tiny-model config under tmp_path (with per-table overrides) and load it like a user would."""

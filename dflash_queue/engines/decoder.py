@@ -23,6 +23,7 @@ from dflash_queue.errors import ConfigError
 
 _INDEX = "model.safetensors.index.json"
 _EMBEDDINGS = "embed_tokens.weight"
+_HEAD = "lm_head.weight"
 # Where multimodal checkpoints keep their text decoder, most specific first (checked against the actual keys).
 _TEXT_PREFIX_HINTS = ("language_model", "text_model", "llm")
 
@@ -39,6 +40,7 @@ class CheckpointLayout:
     config: object
     text_config: object
     text_prefix: str | None
+    head_prefix: str = ""  # where the LM head's weight sits ("" or e.g. "language_model.")
 
     @property
     def multimodal(self) -> bool:
@@ -58,8 +60,11 @@ def read_layout(path: str) -> CheckpointLayout:
 
     config = AutoConfig.from_pretrained(path)
     text_config = config.get_text_config()
-    prefix = _text_decoder_prefix(Path(path)) if text_config is not config else None
-    return CheckpointLayout(config, text_config, prefix)
+    if text_config is config:
+        return CheckpointLayout(config, text_config, None)
+    keys = checkpoint_keys(Path(path)) if Path(path).is_dir() else []
+    heads = [key[: -len(_HEAD)] for key in keys if key.endswith(_HEAD)]
+    return CheckpointLayout(config, text_config, _text_decoder_prefix(keys), heads[0] if len(heads) == 1 else "")
 
 
 def load_text_decoder(path: str, *, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> nn.Module:
@@ -75,11 +80,16 @@ def load_text_decoder(path: str, *, dtype: torch.dtype, device: torch.device, at
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The text decoder with its LM head, for generation; a multimodal checkpoint gives its text-only causal LM
-    (Qwen3.5 -> `Qwen3_5ForCausalLM`, Gemma 3 -> `Gemma3ForCausalLM`)."""
+    (Qwen3.5 -> `Qwen3_5ForCausalLM`, Gemma 3 -> `Gemma3ForCausalLM`). Attention is eager where SDPA would drop
+    a feature of the model (soft-capping, sinks), SDPA otherwise."""
     from transformers import AutoModelForCausalLM
 
+    from dflash_queue.engines.architecture import profile_config
+
     layout = read_layout(path)
-    kwargs = _load_kwargs(layout, dtype, device, None, prefix_target="model.")
+    # SDPA drops attention soft-capping (Gemma 2): generate with the attention that applies every feature.
+    attention = profile_config(layout.config).reference_attention
+    kwargs = _load_kwargs(layout, dtype, device, attention, prefix_target="model.")
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     _require_complete(model, info, path, layout)
     return model.to(device)
@@ -111,6 +121,8 @@ def _load_kwargs(
             )
         kwargs["config"] = layout.text_config
         kwargs["key_mapping"] = {f"^{re.escape(layout.text_prefix)}": prefix_target}
+        if layout.head_prefix:
+            kwargs["key_mapping"][f"^{re.escape(layout.head_prefix)}lm_head\\."] = "lm_head."
     return kwargs
 
 
@@ -145,10 +157,9 @@ def checkpoint_keys(directory: Path) -> list[str]:
     return keys
 
 
-def _text_decoder_prefix(directory: Path) -> str | None:
+def _text_decoder_prefix(keys: list[str]) -> str | None:
     """The prefix under which the checkpoint stores its text decoder (`model.language_model.`), found from the
     weight names: the one holding both `embed_tokens.weight` and `layers.0.` weights."""
-    keys = checkpoint_keys(directory) if directory.is_dir() else []
     candidates = []
     for key in keys:
         if key.endswith(_EMBEDDINGS):
