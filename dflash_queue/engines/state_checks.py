@@ -89,18 +89,17 @@ def check_plausible(
         return
     stacked = torch.stack(list(summaries))  # [N, K, 3]
     problems = []
-    for i, sample_id in enumerate(sample_ids):
-        for k, layer in enumerate(layer_names):
-            high, low, _ = stacked[i, k].tolist()
-            if high == 0 and low == 0:
-                problems.append(f"sample {sample_id}, layer {layer}: all zero")
-            elif high == low:
-                problems.append(f"sample {sample_id}, layer {layer}: constant ({high:g})")
+    constant = stacked[..., 0] == stacked[..., 1]  # [N, K]: largest value == smallest (zero included)
+    for i, k in constant.nonzero().tolist():
+        high = float(stacked[i, k, 0])
+        what = "all zero" if high == 0 else f"constant ({high:g})"
+        problems.append(f"sample {sample_ids[i]}, layer {layer_names[k]}: {what}")
     if len(sample_ids) >= MIN_SAMPLES_FOR_RMS_CHECK:
         rms = stacked[..., 2]  # [N, K]
-        typical = rms.median(dim=0).values.clamp_min(torch.finfo(torch.float32).tiny)
-        ratio = rms / typical
-        for i, k in ((ratio > rms_factor) | (ratio < 1 / rms_factor)).nonzero().tolist():
+        typical = rms.median(dim=0).values
+        ratio = rms / typical.clamp_min(torch.finfo(torch.float32).tiny)
+        outside = ((ratio > rms_factor) | (ratio < 1 / rms_factor)) & ~constant & (typical > 0)
+        for i, k in outside.nonzero().tolist():
             problems.append(
                 f"sample {sample_ids[i]}, layer {layer_names[k]}: median token RMS {float(rms[i, k]):.3g} is "
                 f"{float(ratio[i, k]):.3g} x the shard's median {float(typical[k]):.3g}"

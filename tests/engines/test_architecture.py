@@ -1,0 +1,132 @@
+"""How each architecture is extracted (packed, padded) or refused, from its config, the same in the engine, in
+`doctor` and in a worker that refuses to start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, BertConfig, BertForMaskedLM, T5Config
+
+from dflash_queue.engines.architecture import profile_config
+from dflash_queue.engines.decoder import UnsupportedArchitecture
+from dflash_queue.engines.hf_extract import HiddenStateExtractor
+from dflash_queue.ops.doctor.model import check_architecture, check_model
+
+
+@pytest.mark.parametrize(
+    ("name", "mode", "features", "reference"),
+    [
+        ("qwen3", "packed", {}, "sdpa"),
+        ("qwen3_moe", "packed", {"MoE": "4 experts"}, "sdpa"),
+        ("qwen3_5", "packed", {"linear attention": "4 layers"}, "sdpa"),
+        ("qwen3_next", "packed", {"linear attention": "4 layers", "MoE": "4 experts"}, "sdpa"),
+        ("mistral", "packed", {"sliding window": "16"}, "sdpa"),
+        ("gemma3", "packed", {"sliding window": "16"}, "sdpa"),
+        ("gemma2", "packed", {"sliding window": "16", "softcap": "5"}, "eager"),
+        ("gpt_oss", "packed", {"sliding window": "16", "sinks": "per head", "MoE": "4 experts"}, "eager"),
+        ("lfm2", "padded", {}, "sdpa"),
+    ],
+)
+def test_each_family_gets_its_mode_features_and_reference_attention(tiny_family, name, mode, features, reference):
+    profile = profile_config(AutoConfig.from_pretrained(tiny_family(name)))
+    assert (profile.mode, profile.features, profile.reference_attention, profile.refusal) == (
+        mode, features, reference, ""
+    )
+    assert profile.num_layers == 6 and profile.hidden_size == 64
+
+
+def test_a_multimodal_checkpoint_is_described_by_its_text_decoder(tiny_family):
+    profile = profile_config(AutoConfig.from_pretrained(tiny_family("qwen3_5")))
+    assert profile.multimodal and (profile.model_type, profile.text_model_type) == ("qwen3_5", "qwen3_5_text")
+    assert profile.describe() == (
+        "qwen3_5 (text decoder qwen3_5_text): 6 layers (4 linear_attention, 2 full_attention), hidden 64; "
+        "linear attention 4 layers; extraction packed"
+    )
+
+
+def test_layer_types_without_a_packed_implementation_run_padded_or_are_refused_when_packing_is_demanded(tiny_family):
+    config = AutoConfig.from_pretrained(tiny_family("lfm2"))
+    assert "layer types ['conv'] have no packed implementation" in profile_config(config).describe()
+    demanded = profile_config(config, packing="packed")
+    assert demanded.refusal == "extract.packing = 'packed' but layer types ['conv'] have no packed implementation"
+    forced = profile_config(AutoConfig.from_pretrained(tiny_family("qwen3")), packing="padded")
+    assert (forced.mode, forced.why_padded) == ("padded", "extract.packing = 'padded'")
+
+
+def test_linear_attention_of_an_unknown_model_runs_padded(tiny_family):
+    config = AutoConfig.from_pretrained(tiny_family("qwen3_next"))
+    config.model_type = "kimi_linear"
+    profile = profile_config(config)
+    assert profile.mode == "padded"
+    assert profile.why_padded == "the linear-attention layers of kimi_linear have no per-sequence packed implementation"
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (T5Config(num_layers=2), "an encoder-decoder model has no causal decoder states"),
+        (BertConfig(architectures=["BertForMaskedLM"]), "an encoder (BertForMaskedLM), not a causal decoder"),
+    ],
+)
+def test_models_without_causal_decoder_states_are_refused(config, why):
+    assert why in profile_config(config).refusal
+
+
+def test_sinks_under_flash_attention_are_refused(tiny_family):
+    config = AutoConfig.from_pretrained(tiny_family("gpt_oss"))
+    assert "flash_attention_2 has no attention sinks" in profile_config(config, attn_implementation="flash_attention_2").refusal
+
+
+@pytest.fixture(scope="module")
+def bert_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bert")
+    BertForMaskedLM(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=64)).save_pretrained(path)
+    return path
+
+
+def test_the_engine_and_doctor_refuse_an_encoder_before_any_work(bert_checkpoint, make_config):
+    with pytest.raises(UnsupportedArchitecture, match="cannot extract exact hidden states of bert: .* an encoder"):
+        HiddenStateExtractor(str(bert_checkpoint), layer_ids=(0, 1), device="cpu", dtype="float32")
+    config = make_config("bert.toml", model={"path": str(bert_checkpoint)})
+    checks, _ = check_model(config)
+    [architecture] = [c for c in checks if c.name == "architecture"]
+    assert architecture.verdict == "fail" and "refused: an encoder (BertForMaskedLM)" in architecture.detail
+
+
+def test_an_extract_worker_with_an_unsupported_model_exits_at_start_naming_it(bert_checkpoint, make_config, start_worker):
+    config = make_config("bert.toml", model={"path": str(bert_checkpoint)})
+    with pytest.raises(RuntimeError, match="extract worker exited") as failed:
+        start_worker(config, "extract")
+    assert "cannot extract exact hidden states of bert" in str(failed.value)
+    assert "an encoder (BertForMaskedLM), not a causal decoder" in str(failed.value)
+
+
+def test_doctor_says_how_each_family_is_extracted(tiny_family, make_config):
+    config = make_config("q35.toml", model={"path": str(tiny_family("qwen3_5"))})
+    check = check_architecture(AutoConfig.from_pretrained(tiny_family("qwen3_5")), config)
+    assert check.verdict == "pass" and check.detail.endswith("extraction packed")
+
+
+def test_the_probe_falls_back_to_padded_batches_when_packing_is_not_exact(tiny_family, caplog, monkeypatch):
+    """A model whose packed path leaks between sequences (its windows ignored here) is caught at load."""
+    from transformers import AutoModel
+
+    from dflash_queue.engines import packed_attention
+
+    original = packed_attention.packed_attention
+    monkeypatch.setattr(
+        packed_attention, "packed_attention", lambda *a, sliding_window=None, **k: original(*a, **k)
+    )
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(packed_attention.PACKED_ATTENTION, packed_attention.packed_attention)
+    try:
+        model = AutoModel.from_pretrained(tiny_family("mistral"), dtype=torch.float32)
+        with caplog.at_level("INFO"):
+            extractor = HiddenStateExtractor.from_model(model, layer_ids=(1, 3))
+    finally:
+        AttentionInterface.register(packed_attention.PACKED_ATTENTION, original)
+    assert extractor.mode == "padded"
+    assert "packed sequences (per-sequence attention) is not exact" in caplog.text
+    assert "padded batches (packing was not exact), sdpa attention (probe: max relative error" in caplog.text

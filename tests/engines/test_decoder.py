@@ -1,0 +1,62 @@
+"""Loading the text decoder of text-only and multimodal checkpoints, with every weight accounted for."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
+
+from dflash_queue.engines.decoder import UnsupportedArchitecture, load_causal_lm, load_text_decoder, read_layout
+
+CPU = torch.device("cpu")
+IDS = torch.tensor([[5, 17, 301, 9, 44, 1200, 3, 77]])
+
+
+@pytest.mark.parametrize(
+    ("name", "full_class", "prefix"),
+    [
+        ("qwen3_5", Qwen3_5ForConditionalGeneration, "model.language_model."),
+        ("gemma3", Gemma3ForConditionalGeneration, "language_model.model."),
+    ],
+)
+def test_multimodal_checkpoints_load_their_text_decoder_only(tiny_family, name, full_class, prefix):
+    path = tiny_family(name)
+    layout = read_layout(str(path))
+    assert layout.multimodal and layout.text_prefix == prefix
+    decoder = load_text_decoder(str(path), dtype=torch.float32, device=CPU, attn_implementation="sdpa")
+    names = [n for n, _ in decoder.named_modules()]
+    assert not [n for n in names if "vis" in n], "no vision tower is built"
+    assert decoder.config.num_hidden_layers == 6 and decoder.config.hidden_size == 64
+
+    full = full_class.from_pretrained(path, dtype=torch.float32).eval()
+    causal = load_causal_lm(str(path), dtype=torch.float32, device=CPU)
+    with torch.inference_mode():
+        want = full(input_ids=IDS, output_hidden_states=True)
+        got = decoder(input_ids=IDS, output_hidden_states=True).hidden_states
+        logits = causal(input_ids=IDS).logits
+    for mine, theirs in zip(got, want.hidden_states, strict=True):
+        torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(logits, want.logits)
+    assert "ForCausalLM" in type(causal).__name__
+
+
+def test_a_checkpoint_missing_a_weight_is_refused(tiny_family, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_family("qwen3_5"), broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.language_model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitecture, match=r"1 weights missing .*layers\.2\.mlp\.up_proj\.weight"):
+        load_text_decoder(str(broken), dtype=torch.float32, device=CPU, attn_implementation="sdpa")
+    with pytest.raises(UnsupportedArchitecture, match="random initialisation"):
+        load_causal_lm(str(broken), dtype=torch.float32, device=CPU)
+
+
+def test_a_text_only_checkpoint_loads_as_before(tiny_model):
+    layout = read_layout(str(tiny_model))
+    assert not layout.multimodal and layout.text_prefix is None
+    decoder = load_text_decoder(str(tiny_model), dtype=torch.float32, device=CPU, attn_implementation="sdpa")
+    assert type(decoder).__name__ == "Qwen3Model"
