@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
-from dflash_queue.ledger import DONE, FAILED, Ledger
+from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import EnqueueReport, Producer
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
@@ -36,6 +36,14 @@ class RunSummary:
     shards_done: int
     shards_failed: dict[str, str] = field(default_factory=dict)
     output: str = ""
+    # The worst relative error of any canary sample (recomputed alone) in this run name, or None.
+    canary_worst: float | None = None
+
+    def _canary(self) -> str:
+        checked = self.counters.get("extract_canary_samples", 0)
+        if not checked or self.canary_worst is None:
+            return "no sample rerun alone"
+        return f"{checked} samples rerun alone, worst relative error {self.canary_worst:.2e}"
 
     def lines(self) -> list[str]:
         c = self.counters
@@ -51,6 +59,7 @@ class RunSummary:
             f"quality gate:      {gate[0]}",
             *(f"                   {line}" for line in gate[1:]),
             f"tokens extracted:  {c.get('extract_tokens', 0)} ({c.get('extract_bytes', 0) / 1e6:.1f} MB)",
+            f"canary:            {self._canary()}",
             f"elapsed:           {self.elapsed_s:.1f} s",
             f"training shards:   {self.output}",
         ]
@@ -139,6 +148,7 @@ def run_single_box(
                 time.sleep(poll_s)
 
         after = ledger.counters()
+        canary_worst = ledger.maxima().get(CANARY_ERROR)
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     return RunSummary(
         report=report,
@@ -147,4 +157,5 @@ def run_single_box(
         shards_done=len(pending) - len(failed),
         shards_failed=failed,
         output=f"{config.storage.url.rstrip('/')}/{SHARDS}/",
+        canary_worst=canary_worst,
     )

@@ -58,6 +58,9 @@ class CapturedStates:
     states: torch.Tensor  # [T, K, H] on the CPU, in the model's dtype
     # [K, 3] float32: per captured layer, the largest value, the smallest value and the median token RMS.
     summary: torch.Tensor
+    # Where the sequence sat in its forward pass: 0 for the first (or only) one; a later one is where a leak
+    # from the sequences before it would show.
+    pass_position: int = 0
 
 
 @dataclass
@@ -341,14 +344,14 @@ class HiddenStateExtractor:
         nonfinite: list[str] = []
         for result in results:
             result.wait()
-            for (start, end), index in zip(result.spans, result.indices):
+            for position, ((start, end), index) in enumerate(zip(result.spans, result.indices)):
                 stats = result.token_stats[start:end]
                 if not torch.isfinite(stats[..., 2]).all():
                     nonfinite.append(requests[index].sample_id)
                 summary = torch.stack(
                     [stats[..., 0].amax(0), stats[..., 1].amin(0), stats[..., 2].median(0).values], dim=1
                 )
-                out[index] = CapturedStates(result.states[start:end], summary)
+                out[index] = CapturedStates(result.states[start:end], summary, position)
         if nonfinite:
             raise NonFiniteHiddenStates(
                 f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "

@@ -1,0 +1,64 @@
+"""The target this project was built for, in miniature: a hybrid linear-attention Qwen3.5 shipped as a multimodal
+checkpoint (`Qwen3_5ForConditionalGeneration`), through `dflash-queue run` with real workers, bfloat16 storage and
+the final-norm state; every stored state checked against the checkpoint's own forward pass."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3_5ForConditionalGeneration
+
+from dflash_queue.training import ShardDataset
+from dflash_queue.testing.configs import tiny_config_tables, write_config
+from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def test_a_hybrid_multimodal_checkpoint_runs_end_to_end(tiny_family, tmp_path):
+    model_path = tiny_family("qwen3_5")
+    tables = tiny_config_tables(model_path, tmp_path / "unused", "", tmp_path / "state")
+    config_path = write_config(
+        tmp_path / "run.toml",
+        tables,
+        model={"path": str(model_path), "name": "qwen3.5-tiny", "dtype": "float32", "device": "cpu"},
+        dataset={"shard_size": 6, "thinking": "never"},
+        extract={"num_draft_layers": 3, "token_budget": 192, "hidden_dtype": "bfloat16", "final_norm_state": True},
+        **{"generate.sampling": {"max_tokens": 16}},
+        quality=FLAG_EVERYTHING,
+    )
+    dataset_file = tmp_path / "prompts.jsonl"
+    dataset_file.write_text("\n".join((REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:12]) + "\n")
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(config_path), "-o", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "shards:            2 done, 0 failed" in run.stdout
+    assert "canary:            2 samples rerun alone, worst relative error" in run.stdout
+    worker_log = (tmp_path / "state" / "logs" / "extract.log").read_text()
+    assert "extraction for qwen3_5_text: packed sequences (per-sequence attention, linear attention per sequence)" \
+        in worker_log
+
+    dataset = ShardDataset(out, finish_reasons={"stop", "length"})
+    assert len(dataset) == 12
+    meta = dataset.shards[0].metadata
+    assert json.loads(meta["layer_ids"]) == [1, 2, 3, 5]  # DFlash rule for 6 layers, K = 3; then the final norm
+    assert json.loads(meta["layer_states"]) == ["decoder_output"] * 3 + ["final_norm"]
+    assert meta["extraction"] == "packed" and json.loads(meta["canary"])["relative_error"] <= 1e-4
+
+    reference = Qwen3_5ForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    for number in range(len(dataset)):
+        item = dataset[number]
+        with torch.inference_mode():
+            hidden = reference(input_ids=item["input_ids"][None].long(), output_hidden_states=True).hidden_states
+        want = torch.stack([hidden[2][0], hidden[3][0], hidden[4][0], hidden[6][0]], dim=1)
+        scale = float(want.abs().max())
+        torch.testing.assert_close(item["hidden_states"].float(), want, rtol=2**-7, atol=1e-5 * scale)
