@@ -62,3 +62,14 @@ def test_a_hybrid_multimodal_checkpoint_runs_end_to_end(tiny_family, tmp_path):
         want = torch.stack([hidden[2][0], hidden[3][0], hidden[4][0], hidden[6][0]], dim=1)
         scale = float(want.abs().max())
         torch.testing.assert_close(item["hidden_states"].float(), want, rtol=2**-7, atol=1e-5 * scale)
+
+    exported = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "export", str(out), "--format", "speculators", str(tmp_path / "hs")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert exported.returncode == 0, exported.stderr[-4000:]
+    manifest = json.loads((tmp_path / "hs" / "export.json").read_text())
+    # Transformers' hidden_states index: the final-norm entry is index 6, its last entry, as speculators reads it.
+    assert manifest["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4, 6]
+    assert manifest["layer_states"] == ["decoder_output"] * 3 + ["final_norm"]
+    assert "final hidden state" not in exported.stdout

@@ -63,3 +63,14 @@ def test_zero_counts_write_nothing_and_windows_are_bounded(redis_url):
         ledger.window(RATE_RETENTION_S + 1)
     with pytest.raises(ValueError, match="window"):
         ledger.window(0)
+
+
+def test_maxima_keep_the_largest_value_recorded(redis_url):
+    ledger = Ledger(redis.Redis.from_url(redis_url, decode_responses=True), "maxima")
+    assert ledger.maxima() == {}
+    for value in (3e-7, 1.5e-6, 2e-7, 1.5e-6):
+        ledger.record_max("extract_canary_error", value)
+    ledger.record_max("other", 0.0)
+    assert ledger.maxima() == {"extract_canary_error": 1.5e-6, "other": 0.0}
+    ledger.reset()
+    assert ledger.maxima() == {}

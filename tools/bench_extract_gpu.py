@@ -22,6 +22,11 @@ per token for the matrix multiplies; 4 * d_attn * len^2 per layer for QK^T and A
 captured one and a masked attention's wasted pairs are not counted: they are the naive loop's waste.
 Achieved TFLOP/s = FLOPs / wall time; MFU = achieved / --peak-tflops (790: H200 bf16, measured).
 
+The run-time canary (each shard recomputes `extract.canary_samples` samples alone and compares them): the time
+per token of --canary-measured samples run alone through the model's own attention and compared, over the
+engine's time per token; times canary samples / shard size, that is the share of a shard's extract time the
+canary costs (target: at most 1 / shard size at the default of one canary sample).
+
     python tools/bench_extract_gpu.py [--size 8b|32b] [--samples 200] [--token-budget 16384]
     python tools/bench_extract_gpu.py --size tiny --device cpu [--threads 1]
 """
@@ -40,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor  # noqa: E402
 from dflash_queue.engines.layers import resolve_layer_ids  # noqa: E402
+from dflash_queue.engines.state_checks import compare_states  # noqa: E402
 
 SIZES = {
     "tiny": dict(layers=8, hidden=128, intermediate=384, heads=2, kv_heads=1, head_dim=64, vocab=1536),
@@ -130,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-naive", action="store_true")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (1 gives steadier figures on a busy CPU)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-size", type=int, default=256, help="dataset.shard_size the canary share is for")
+    parser.add_argument("--canary-samples", type=int, default=1, help="extract.canary_samples")
+    parser.add_argument("--canary-measured", type=int, default=8, help="samples run alone to time the canary")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -200,6 +209,23 @@ def main(argv: list[str] | None = None) -> int:
         measured = torch.cuda.max_memory_allocated(device) - kept
         predicted = extractor.activation_bytes(extractor.effective_token_budget)
         print(f"peak memory beyond weights: measured {measured / GIB:.2f} GiB, predicted {predicted / GIB:.2f} GiB")
+    measured = requests[: max(1, min(args.canary_measured, len(requests)))]
+    synchronize(device)
+    start = time.perf_counter()
+    worst = max(
+        compare_states(states[i].to(device), extractor.reference_states(r, on_device=True)).worst
+        for i, r in enumerate(measured)
+    )
+    synchronize(device)
+    canary_seconds = time.perf_counter() - start
+    alone_over_packed = (canary_seconds / sum(len(r.input_ids) for r in measured)) / (engine_seconds / tokens)
+    share = alone_over_packed * args.canary_samples / args.shard_size
+    print(
+        f"canary: a sample alone (+ compare) costs {alone_over_packed:.3f}x its packed time per token "
+        f"({len(measured)} samples, worst relative error {worst:.2e}); {args.canary_samples} per "
+        f"{args.shard_size}-sample shard = {share:.5f} of the shard's extract time "
+        f"(target <= {1 / args.shard_size:.5f})"
+    )
     if reference is not None:
         diff = (states[0].float() - reference.float()).abs().max().item()
         scale = reference.float().abs().max().item()

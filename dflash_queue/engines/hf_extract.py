@@ -214,8 +214,9 @@ class HiddenStateExtractor:
         return self._collect(results, requests)
 
     @torch.inference_mode()
-    def reference_states(self, request: ExtractionRequest) -> torch.Tensor:
-        """The states of one sequence run alone through the model's own attention: [T, K, H] on the CPU."""
+    def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
+        """The states of one sequence run alone through the model's own attention: [T, K, H] on the CPU, or
+        left on the model's device (`on_device`) to compare them there."""
         self._set_attention(self.reference_attention)
         try:
             ids = torch.tensor([request.input_ids], device=self.device)
@@ -228,7 +229,7 @@ class HiddenStateExtractor:
                 self._buffer = None
         finally:
             self._use_mode(self.mode)
-        return buffer.cpu()
+        return buffer if on_device else buffer.cpu()
 
     def activation_bytes(self, tokens: int) -> int:
         """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights.

@@ -55,7 +55,19 @@ def engine_args(config: Config) -> dict[str, Any]:
         args["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.kv_cache_memory_gib:
         args["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_gib * 2**30)
+    if _is_multimodal(config.model.path):
+        # Prompts here are text: no image or video inputs, so vLLM neither profiles nor reserves memory for them.
+        args["language_model_only"] = True
     return args
+
+
+def _is_multimodal(model_path: str) -> bool:
+    from dflash_queue.engines.decoder import read_layout
+
+    try:
+        return read_layout(model_path).multimodal
+    except (OSError, ValueError):  # not a local checkpoint: let vLLM resolve it
+        return False
 
 
 def request_seed(base_seed: int, sample_id: str, attempt: int = 0) -> int:

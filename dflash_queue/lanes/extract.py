@@ -193,11 +193,12 @@ class ExtractLane:
         chosen = rng.sample(followers, min(count, len(followers)))
         chosen += rng.sample([i for i in ok if i not in chosen], count - len(chosen))
         chosen.sort()
+        device = self.extractor.device
         differences = [
-            check_canary(
+            check_canary(  # compared on the device: the states of a long sample are large for the host
                 requests[i].sample_id,
-                results[i].states,  # type: ignore[union-attr]
-                self.extractor.reference_states(requests[i]),
+                results[i].states.to(device),  # type: ignore[union-attr]
+                self.extractor.reference_states(requests[i], on_device=True),
                 self.layer_names,
                 tolerance,
             )

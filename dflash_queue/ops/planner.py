@@ -173,7 +173,8 @@ class ModelShape:
 
 
 def model_shape(config: Config) -> ModelShape:
-    """K (the layers extracted) and the hidden size, from the model's config.json."""
+    """K (the entries stored per token: the layers extracted, plus the final-norm state when asked for) and the
+    hidden size, from the model's config.json (its text config for a multimodal checkpoint)."""
     from transformers import AutoConfig
 
     from dflash_queue.engines.layers import resolve_layer_ids
@@ -181,4 +182,4 @@ def model_shape(config: Config) -> ModelShape:
     model_config = AutoConfig.from_pretrained(config.model.path)
     text = getattr(model_config, "text_config", None) or model_config
     layer_ids = resolve_layer_ids(config.extract.layer_ids, text.num_hidden_layers, config.extract.num_draft_layers)
-    return ModelShape(len(layer_ids), text.hidden_size)
+    return ModelShape(len(layer_ids) + int(config.extract.final_norm_state), text.hidden_size)

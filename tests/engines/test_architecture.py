@@ -130,3 +130,29 @@ def test_the_probe_falls_back_to_padded_batches_when_packing_is_not_exact(tiny_f
     assert extractor.mode == "padded"
     assert "packed sequences (per-sequence attention) is not exact" in caplog.text
     assert "padded batches (packing was not exact), sdpa attention (probe: max relative error" in caplog.text
+
+
+def test_the_shipped_h200_config_runs_the_27b_class_hybrid_packed_on_the_dflash_layers(tmp_path):
+    """worker_configs/qwen3.6-27b-h200.toml against the architecture of its target (examples/qwen3.6-27b-class:
+    the config alone, no weights)."""
+    from pathlib import Path
+
+    from dflash_queue.config import load_config
+    from dflash_queue.engines.layers import resolve_layer_ids
+
+    repo = Path(__file__).resolve().parents[2]
+    text = (repo / "worker_configs" / "qwen3.6-27b-h200.toml").read_text()
+    target = repo / "examples" / "qwen3.6-27b-class"
+    local = tmp_path / "h200.toml"
+    local.write_text(text.replace('path = "/models/Qwen3.6-27B"', f'path = "{target}"'))
+    config = load_config(local, env={})
+    model_config = AutoConfig.from_pretrained(target)
+    text_config = model_config.get_text_config()
+    layer_ids = resolve_layer_ids(config.extract.layer_ids, text_config.num_hidden_layers, config.extract.num_draft_layers)
+    assert layer_ids == [1, 16, 31, 46, 61]
+    check = check_architecture(model_config, config)
+    assert check.verdict == "pass"
+    assert check.detail == (
+        "qwen3_5 (text decoder qwen3_5_text): 64 layers (48 linear_attention, 16 full_attention), hidden 5120; "
+        "linear attention 48 layers; extraction packed"
+    )

@@ -104,6 +104,15 @@ def test_engine_arguments_pass_the_settings_through(vllm_config):
     settings = vllm_config.generate.vllm.model_dump()
     follows_model = vllm_config.with_overrides(model={"dtype": "bfloat16"}, generate={"vllm": {**settings, "dtype": ""}})
     assert engine_args(follows_model)["dtype"] == "bfloat16"
+    assert "language_model_only" not in args
+
+
+def test_a_multimodal_checkpoint_runs_its_language_model_only(vllm_config, tiny_family):
+    multimodal = vllm_config.with_overrides(model={"path": str(tiny_family("qwen3_5"))})
+    assert engine_args(multimodal)["language_model_only"] is True
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    assert AsyncEngineArgs(**engine_args(multimodal)).language_model_only  # vLLM takes the argument
 
 
 def test_cpu_build_refuses_chunked_prefill_before_starting(vllm_config):

@@ -61,7 +61,10 @@ def test_speculators_files_hold_the_shard_tensors_unchanged(pipeline_shards, tmp
     truth = originals(root)
     assert manifest["eagle_aux_hidden_state_layer_ids"] == manifest["layer_ids"] == [2, 3, 4]
     assert manifest["source_layer_ids"] == [1, 2, 3] and manifest["layer_convention"] == "hf_hidden_states_index"
-    assert any("final hidden state" in note for note in report.notes)  # layer 5 of 6 was not extracted
+    assert manifest["layer_states"] == ["decoder_output"] * 3
+    # The last entry is decoder layer 3 before any norm, not the final hidden state speculators takes it for.
+    [note] = [note for note in report.notes if "final hidden state" in note]
+    assert "decoder layer 3 of 6 before any norm" in note and "extract.final_norm_state = true" in note
     assert [row["file"] for row in index] == [f"hs_{i}.safetensors" for i in range(12)]
     for row in index:
         path = tmp_path / "out" / row["file"]

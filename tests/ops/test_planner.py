@@ -61,6 +61,16 @@ def test_hidden_state_storage():
     assert hidden_state_bytes(1, 1, 10, 2) == 20
 
 
+def test_model_shape_of_a_multimodal_checkpoint_counts_the_final_norm_entry(make_config, tiny_family):
+    from dflash_queue.ops.planner import model_shape
+
+    config = make_config("q35.toml", model={"path": str(tiny_family("qwen3_5"))}, extract={"num_draft_layers": 3})
+    assert (model_shape(config).num_layers_kept, model_shape(config).hidden_size) == (3, 64)
+    with_norm = make_config("q35n.toml", model={"path": str(tiny_family("qwen3_5"))},
+                            extract={"num_draft_layers": 3, "final_norm_state": True})
+    assert model_shape(with_norm).num_layers_kept == 4
+
+
 def test_output_tokens_from_the_thinking_mix():
     assert policy_output_tokens(1.0, 4096) == 2048
     assert policy_output_tokens(0.0, 4096) == 512

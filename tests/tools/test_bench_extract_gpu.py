@@ -40,3 +40,12 @@ def test_tiny_cpu_run_prints_rates_mfu_and_matches_the_naive_loop():
     assert re.search(r"^speedup engine/naive: [\d.]+x$", out, re.M), out
     diff = float(re.search(r"max \|engine - naive\| ([\d.e+-]+)", out).group(1))
     assert diff < 1e-4  # float32 on the CPU: the packed engine computes what the padded loop does
+    canary = re.search(
+        r"^canary: a sample alone \(\+ compare\) costs ([\d.]+)x .* worst relative error ([\d.e+-]+)\); "
+        r"1 per 256-sample shard = ([\d.]+) of the shard's extract time \(target <= 0\.00391\)$",
+        out,
+        re.M,
+    )
+    assert canary, out
+    ratio, error, share = (float(canary.group(i)) for i in (1, 2, 3))
+    assert error < 1e-4 and abs(share - ratio / 256) <= 1e-5 + 0.01 * share
