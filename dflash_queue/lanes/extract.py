@@ -181,17 +181,22 @@ class ExtractLane:
     ) -> dict | None:
         """Recompute `extract.canary_samples` samples alone and compare; raises CanaryMismatch above tolerance.
 
-        Drawn from the shard id, so a re-delivered task checks the same ones, and from the samples that followed
-        another in their forward pass where there are such: the first sequence of a pass sees nothing before it,
-        so a leak between sequences could not show in it."""
+        Drawn from the shard id, so a re-delivered task checks the same ones; preferably from the samples that
+        followed another in their forward pass (the first sequence of a pass sees nothing before it, so a leak
+        between sequences could not show in it) and are no longer than the shard's median, which keeps one canary
+        below an average sample's cost (a sample alone computes a little less efficiently than in a pack)."""
         count = min(self.config.extract.canary_samples, len(ok))
         if not count:
             return None
         tolerance = self.config.extract.canary_tolerance or default_tolerance(self.extractor.dtype)
+        lengths = {i: len(requests[i].input_ids) for i in ok}
+        median = sorted(lengths.values())[(len(ok) - 1) // 2]
         followers = [i for i in ok if results[i].pass_position > 0]  # type: ignore[union-attr]
         rng = random.Random(shard_id)
-        chosen = rng.sample(followers, min(count, len(followers)))
-        chosen += rng.sample([i for i in ok if i not in chosen], count - len(chosen))
+        chosen: list[int] = []
+        for pool in ([i for i in followers if lengths[i] <= median], followers, ok):
+            fresh = [i for i in pool if i not in chosen]
+            chosen += rng.sample(fresh, min(count - len(chosen), len(fresh)))
         chosen.sort()
         device = self.extractor.device
         differences = [

@@ -69,6 +69,11 @@ def test_the_canary_is_recorded_in_the_shard_and_chosen_by_the_shard_id(generate
     with storage.local_copy(shard_key(shard_id)) as path:
         assert json.loads(TrainingShard(path).info()["canary"])["samples"] == canary["samples"]
     assert len(canary["samples"]) == 2 and len(set(canary["samples"])) == 2
+    with storage.local_copy(shard_key(shard_id)) as path:
+        shard = TrainingShard(path)
+        lengths = {shard.sample_ids[i]: int(shard.offsets[i + 1] - shard.offsets[i]) for i in range(len(shard))}
+    median = sorted(lengths.values())[(len(lengths) - 1) // 2]
+    assert all(lengths[sample] <= median for sample in canary["samples"])  # a canary costs at most a median sample
     assert canary["tolerance"] == 1e-4 and len(canary["relative_error_per_layer"]) == 3
     assert first.canary_samples == 2 and first.canary_error == canary["relative_error"] <= 1e-5
     assert again.canary_error == first.canary_error

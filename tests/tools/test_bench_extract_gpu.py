@@ -42,10 +42,11 @@ def test_tiny_cpu_run_prints_rates_mfu_and_matches_the_naive_loop():
     assert diff < 1e-4  # float32 on the CPU: the packed engine computes what the padded loop does
     canary = re.search(
         r"^canary: a sample alone \(\+ compare\) costs ([\d.]+)x .* worst relative error ([\d.e+-]+)\); "
+        r"canaries of at most the median length run ([\d.]+)x the mean sample; "
         r"1 per 256-sample shard = ([\d.]+) of the shard's extract time \(target <= 0\.00391\)$",
         out,
         re.M,
     )
     assert canary, out
-    ratio, error, share = (float(canary.group(i)) for i in (1, 2, 3))
-    assert error < 1e-4 and abs(share - ratio / 256) <= 1e-5 + 0.01 * share
+    ratio, error, length, share = (float(canary.group(i)) for i in (1, 2, 3, 4))
+    assert error < 1e-4 and 0 < length < 1 and abs(share - ratio * length / 256) <= 1e-5 + 0.01 * share
