@@ -9,6 +9,11 @@ class ConfigError(DflashQueueError):
     """The configuration cannot be used; the message names the file and the key."""
 
 
+class UnsupportedArchitecture(ConfigError):
+    """The target cannot be run exactly by the extraction engine; the message names the model type and what is
+    missing. Raised at load, before any task is taken."""
+
+
 class PermanentError(DflashQueueError):
     """Retrying cannot help: bad input, a config mismatch, a missing file that should exist."""
 

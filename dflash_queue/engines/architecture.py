@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_queue.errors import UnsupportedArchitecture
+
 Mode = Literal["packed", "padded"]
 
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention"})
@@ -94,6 +96,19 @@ def profile_config(config, *, attn_implementation: str = "sdpa", packing: str = 
         refusal=refusal,
         features=features,
     )
+
+
+def require_supported(config, attn_implementation: str, packing: str) -> ArchitectureProfile:
+    """The profile, or UnsupportedArchitecture saying what the engine cannot do for this model."""
+    profile = profile_config(config, attn_implementation=attn_implementation, packing=packing)
+    if profile.refusal:
+        raise UnsupportedArchitecture(f"cannot extract exact hidden states of {profile.describe()}")
+    return profile
+
+
+def native_attention(profile: ArchitectureProfile, attn_implementation: str) -> str:
+    """The model's own attention for padded passes and reference runs: eager where SDPA would drop a feature."""
+    return profile.reference_attention if attn_implementation == "sdpa" else attn_implementation
 
 
 def _implicit_layer_types(text, num_layers: int) -> list[str]:

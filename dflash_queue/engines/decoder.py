@@ -19,17 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_queue.errors import ConfigError
+from dflash_queue.errors import UnsupportedArchitecture
 
 _INDEX = "model.safetensors.index.json"
 _EMBEDDINGS = "embed_tokens.weight"
 _HEAD = "lm_head.weight"
 # Where multimodal checkpoints keep their text decoder, most specific first (checked against the actual keys).
 _TEXT_PREFIX_HINTS = ("language_model", "text_model", "llm")
-
-
-class UnsupportedArchitecture(ConfigError):
-    """The target cannot be run exactly by the extraction engine; the message names what is missing."""
 
 
 @dataclass(frozen=True)

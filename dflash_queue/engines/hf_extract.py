@@ -33,14 +33,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dflash_queue.engines.architecture import ArchitectureProfile, profile_config
-from dflash_queue.engines.decoder import UnsupportedArchitecture, decoder_layers, load_text_decoder, read_layout
+from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
+from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
 from dflash_queue.engines.layers import resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
-from dflash_queue.engines.packing import cu_seqlens, packed_position_ids, plan_packs, plan_padded_batches
-from dflash_queue.engines.state_checks import compare_states, default_tolerance
-from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget
+from dflash_queue.engines.passes import packed_inputs, padded_inputs, plan_passes, summarize, token_stats
+from dflash_queue.engines.extract_probe import confirm_mode
+from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class HiddenStateExtractor:
             model_path,
             dtype=resolve_dtype(dtype, resolved),
             device=resolved,
-            attn_implementation=_native_attention(profile, attn_implementation),
+            attn_implementation=native_attention(profile, attn_implementation),
         )
         self._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory,
                      final_norm_state)
@@ -152,7 +152,7 @@ class HiddenStateExtractor:
         # Shrinks (and stays shrunk) when a forward pass runs out of device memory.
         self.effective_token_budget = token_budget
         self.attn_implementation = attn_implementation
-        self.reference_attention = _native_attention(profile, attn_implementation)
+        self.reference_attention = native_attention(profile, attn_implementation)
         keep = self.num_model_layers if final_norm_state else max(self.layer_ids) + 1
         self.model = _truncate_layers(model, keep).eval()
         self.mode = profile.mode
@@ -173,8 +173,8 @@ class HiddenStateExtractor:
                 )
             self._hooks.append(norm.register_forward_hook(self._capture_hook(len(self.captured) - 1)))
         self._segment_linear_attention()
-        self._use_mode(self.mode)
-        self._probe()
+        self.use_mode(self.mode)
+        confirm_mode(self)
 
     # ---------------------------------------------------------------------------------------------------------
     # Extraction
@@ -197,7 +197,7 @@ class HiddenStateExtractor:
         results: list[_PassResult] = []
         pending = list(range(len(requests)))
         while pending:
-            plan = self._plan([lengths[i] for i in pending], self.effective_token_budget)
+            plan = plan_passes(self.mode, [lengths[i] for i in pending], self.effective_token_budget)
             passes = [[pending[j] for j in group] for group in plan]
             failed: list[int] | None = None
             for number, group in enumerate(passes):
@@ -228,7 +228,7 @@ class HiddenStateExtractor:
             finally:
                 self._buffer = None
         finally:
-            self._use_mode(self.mode)
+            self.use_mode(self.mode)
         return buffer if on_device else buffer.cpu()
 
     def activation_bytes(self, tokens: int) -> int:
@@ -261,29 +261,17 @@ class HiddenStateExtractor:
     # ---------------------------------------------------------------------------------------------------------
     # Passes
 
-    def _plan(self, lengths: list[int], budget: int) -> list[list[int]]:
-        return plan_packs(lengths, budget) if self.mode == "packed" else plan_padded_batches(lengths, budget)
-
     @torch.inference_mode()
     def _run(self, group: list[int], requests: Sequence[ExtractionRequest], *, leak: bool = False) -> _PassResult:
-        lengths = [len(requests[i].input_ids) for i in group]
+        sequences = [requests[i].input_ids for i in group]
         if self.mode == "packed":
-            bounds = cu_seqlens(lengths)
-            spans = list(zip(bounds[:-1], bounds[1:]))
-            inputs = {
-                "input_ids": self._to_device(torch.tensor([t for i in group for t in requests[i].input_ids])[None]),
-                "position_ids": self._to_device(packed_position_ids(lengths)),
-                **self._packing_kwargs([0, bounds[-1]] if leak else bounds),
-            }
+            built = packed_inputs(sequences)
+            bounds = [0, built.bounds[-1]] if leak else built.bounds  # type: ignore[index]
+            extra = self._packing_kwargs(bounds)
         else:
-            width = max(lengths)
-            ids = torch.zeros((len(group), width), dtype=torch.long)
-            mask = torch.zeros((len(group), width), dtype=torch.long)
-            for row, index in enumerate(group):
-                ids[row, : lengths[row]] = torch.tensor(requests[index].input_ids)
-                mask[row, : lengths[row]] = 1
-            spans = [(row * width, row * width + n) for row, n in enumerate(lengths)]
-            inputs = {"input_ids": self._to_device(ids), "attention_mask": self._to_device(mask)}
+            built, extra = padded_inputs(sequences), {}
+        spans = built.spans
+        inputs = {name: self._to_device(tensor) for name, tensor in built.tensors.items()} | extra
         rows = inputs["input_ids"].numel()
         buffer = torch.empty((rows, len(self.captured), self.hidden_size), dtype=self.dtype, device=self.device)
         self._buffer = buffer
@@ -291,7 +279,7 @@ class HiddenStateExtractor:
             self.model(**inputs, use_cache=False)
         finally:
             self._buffer = None
-        stats = _token_stats(buffer)
+        stats = token_stats(buffer)
         if not self._cuda:
             return _PassResult(group, spans, buffer, stats, None)
         computed = torch.cuda.current_stream(self.device).record_event()
@@ -349,10 +337,7 @@ class HiddenStateExtractor:
                 stats = result.token_stats[start:end]
                 if not torch.isfinite(stats[..., 2]).all():
                     nonfinite.append(requests[index].sample_id)
-                summary = torch.stack(
-                    [stats[..., 0].amax(0), stats[..., 1].amin(0), stats[..., 2].median(0).values], dim=1
-                )
-                out[index] = CapturedStates(result.states[start:end], summary, position)
+                out[index] = CapturedStates(result.states[start:end], summarize(stats), position)
         if nonfinite:
             raise NonFiniteHiddenStates(
                 f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
@@ -378,7 +363,8 @@ class HiddenStateExtractor:
             if mixer is not None:
                 mixer.forward = segment_sequences(mixer.forward)
 
-    def _use_mode(self, mode: str) -> None:
+    def use_mode(self, mode: str) -> None:
+        """Run later passes packed or padded (the attention backend follows)."""
         self.mode = mode
         if mode == "packed" and self.attn_implementation == "sdpa":
             self._set_attention(PACKED_ATTENTION)
@@ -388,75 +374,6 @@ class HiddenStateExtractor:
     def _set_attention(self, name: str) -> None:
         if self.model.config._attn_implementation != name:
             self.model.set_attn_implementation(name)
-
-    def _probe(self) -> None:
-        """Three sequences through the chosen mode against each run alone; on a mismatch in packed mode, fall
-        back to padded batches, and refuse the model if those do not match either."""
-        lengths = [_probe_length(self.profile), 9, 21]
-        generator = torch.Generator().manual_seed(0)
-        vocab = int(getattr(self.model.config, "vocab_size", 0) or 0) or 256
-        requests = [
-            ExtractionRequest(f"probe-{i}", torch.randint(0, vocab, (n,), generator=generator).tolist())
-            for i, n in enumerate(lengths)
-        ]
-        tolerance = default_tolerance(self.dtype)
-        reference = [self.reference_states(r) for r in requests]
-        for mode in ("packed", "padded") if self.mode == "packed" else ("padded",):
-            self._use_mode(mode)
-            budget, self.effective_token_budget = self.effective_token_budget, sum(lengths)
-            try:
-                got = self.extract(requests)
-            finally:
-                self.effective_token_budget = budget
-            error = max(compare_states(g, r).worst for g, r in zip(got, reference))
-            if error <= tolerance:
-                log.info("extraction for %s: %s (probe: max relative error %.2e against sequences run alone)",
-                         self.profile.text_model_type, _mode_label(self, mode), error)
-                return
-            log.warning("extraction for %s: %s is not exact (probe: relative error %.2e > %.1e)",
-                        self.profile.text_model_type, _mode_label(self, mode), error, tolerance)
-        raise UnsupportedArchitecture(
-            f"{self.profile.text_model_type}: neither packed nor padded extraction reproduces a sequence run alone "
-            f"(relative error {error:.2e} > {tolerance:.1e}); refusing to extract states that would be wrong"
-        )
-
-
-def require_supported(config, attn_implementation: str, packing: str) -> ArchitectureProfile:
-    profile = profile_config(config, attn_implementation=attn_implementation, packing=packing)
-    if profile.refusal:
-        raise UnsupportedArchitecture(f"cannot extract exact hidden states of {profile.describe()}")
-    return profile
-
-
-def _native_attention(profile: ArchitectureProfile, attn_implementation: str) -> str:
-    return profile.reference_attention if attn_implementation == "sdpa" else attn_implementation
-
-
-def _mode_label(extractor: HiddenStateExtractor, mode: str) -> str:
-    if mode == "padded":
-        return f"padded batches ({extractor.profile.why_padded or 'packing was not exact'}), " \
-               f"{extractor.reference_attention} attention"
-    linear = ", linear attention per sequence" if "linear attention" in extractor.profile.features else ""
-    attention = "per-sequence attention" if extractor.attn_implementation == "sdpa" else extractor.attn_implementation
-    return f"packed sequences ({attention}{linear})"
-
-
-def _probe_length(profile: ArchitectureProfile) -> int:
-    """Long enough to cross a small sliding window and a linear-attention chunk (64 tokens)."""
-    window = int(profile.features.get("sliding window", "0") or 0)
-    return max(70, min(window + 5, 512))
-
-
-def _token_stats(buffer: torch.Tensor) -> torch.Tensor:
-    """[rows, K, 3] float32: per token and captured layer, the largest value, the smallest and the RMS."""
-    stats = torch.empty((buffer.shape[0], buffer.shape[1], 3), dtype=torch.float32, device=buffer.device)
-    width = buffer.shape[2]
-    for k in range(buffer.shape[1]):  # one layer at a time: [rows, H] reductions, no [rows, K, H] temporary
-        layer = buffer[:, k]
-        stats[:, k, 0] = layer.amax(dim=1)
-        stats[:, k, 1] = layer.amin(dim=1)
-        stats[:, k, 2] = torch.linalg.vector_norm(layer, dim=1, dtype=torch.float32) / width**0.5
-    return stats
 
 
 def _truncate_layers(model: nn.Module, keep: int) -> nn.Module:

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, BertConfig, BertForMaskedLM, T5Config
 
 from dflash_queue.engines.architecture import profile_config
-from dflash_queue.engines.decoder import UnsupportedArchitecture
+from dflash_queue.errors import UnsupportedArchitecture
 from dflash_queue.engines.hf_extract import HiddenStateExtractor
 from dflash_queue.ops.doctor.model import check_architecture, check_model
 

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
 
-from dflash_queue.engines.decoder import UnsupportedArchitecture, load_causal_lm, load_text_decoder, read_layout
+from dflash_queue.engines.decoder import load_causal_lm, load_text_decoder, read_layout
+from dflash_queue.errors import UnsupportedArchitecture
 
 CPU = torch.device("cpu")
 IDS = torch.tensor([[5, 17, 301, 9, 44, 1200, 3, 77]])
