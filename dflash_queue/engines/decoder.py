@@ -63,11 +63,19 @@ def read_layout(path: str) -> CheckpointLayout:
     return CheckpointLayout(config, text_config, _text_decoder_prefix(keys), heads[0] if len(heads) == 1 else "")
 
 
-def load_text_decoder(path: str, *, dtype: torch.dtype, device: torch.device, attn_implementation: str) -> nn.Module:
-    """The base (no LM head) text decoder of the checkpoint at `path`, on `device`, every weight loaded."""
+def load_text_decoder(
+    path: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str,
+    layout: CheckpointLayout | None = None,
+) -> nn.Module:
+    """The base (no LM head) text decoder of the checkpoint at `path` (whose `layout` the caller may have read
+    already), on `device`, every weight loaded."""
     from transformers import AutoModel
 
-    layout = read_layout(path)
+    layout = layout or read_layout(path)
     kwargs = _load_kwargs(layout, dtype, device, attn_implementation, prefix_target="")
     model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
     _require_complete(model, info, path, layout)

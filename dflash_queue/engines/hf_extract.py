@@ -94,12 +94,14 @@ class HiddenStateExtractor:
         final_norm_state: bool = False,
     ) -> None:
         resolved = resolve_device(device)
-        profile = require_supported(read_layout(model_path).config, attn_implementation, packing)
+        layout = read_layout(model_path)
+        profile = require_supported(layout.config, attn_implementation, packing)
         model = load_text_decoder(
             model_path,
             dtype=resolve_dtype(dtype, resolved),
             device=resolved,
             attn_implementation=native_attention(profile, attn_implementation),
+            layout=layout,
         )
         self._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory,
                      final_norm_state)
