@@ -89,20 +89,48 @@ class TransformersGenerateEngine:
         return [self._finish(request, tokens, max_new_tokens) for request, tokens in zip(batch, new_tokens)]
 
     def _finish(self, request: GenerationRequest, tokens: list[int], budget: int) -> Generation:
-        completion: list[int] = []
-        finish_reason = "length"
-        for token in tokens:
-            completion.append(token)
-            if token in self.eos_ids:
-                finish_reason = "stop"
-                break
-        if finish_reason == "length" and len(completion) < budget:
-            # Ended early without an end-of-sequence token: a stop string matched; drop trailing padding.
-            finish_reason = "stop"
-            while completion and completion[-1] == self.pad_id:
-                completion.pop()
+        """The reply the model produced, out of a row of `generate`'s output.
+
+        A row ends at the first end-of-sequence token (kept: the model produced it), at the token that completed
+        a stop string (kept, as vLLM keeps it), or at the budget. After a row stops, `generate` pads it with the
+        pad id, which is often also an end-of-sequence id: a stop string is therefore looked for before the
+        first end-of-sequence token is believed, or the padding would become a token the model never produced.
+        """
+        ends = []
+        first_eos = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
+        if first_eos is not None:
+            ends.append(first_eos + 1)
+        stop_end = self._stop_string_end(tokens[: first_eos] if first_eos is not None else tokens)
+        if stop_end is not None:
+            ends.append(stop_end)
+        if ends:
+            completion, finish_reason = tokens[: min(ends)], "stop"
+        else:
+            completion, finish_reason = tokens[:budget], "length"
         text = self.tokenizer.decode(completion, skip_special_tokens=False)
         return Generation(request.sample_id, list(request.prompt_ids), completion, finish_reason, text)
+
+    def _stop_string_end(self, tokens: list[int]) -> int | None:
+        """The length of the shortest prefix of `tokens` whose text holds a stop string (binary search: a longer
+        prefix's text only grows), or None."""
+        stops = self.sampling.stop
+        if not stops or not tokens:
+            return None
+
+        def holds(length: int) -> bool:
+            text = self.tokenizer.decode(tokens[:length], skip_special_tokens=False)
+            return any(stop in text for stop in stops)
+
+        if not holds(len(tokens)):
+            return None
+        low, high = 1, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            if holds(middle):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

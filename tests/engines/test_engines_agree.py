@@ -1,0 +1,84 @@
+"""The Transformers and vLLM engines end replies the same way: at the model's end-of-sequence token, right after
+the token that completes a stop string, or at the budget; neither keeps a token the model did not produce (the
+pad id that `generate` fills a finished row with is often an end-of-sequence id too)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_queue.config import load_config
+from dflash_queue.data.samples import Message
+from dflash_queue.engines.base import GenerationRequest
+from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.engines.hf_generate import TransformersGenerateEngine
+from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
+
+TOPICS = ["rivers", "code", "the moon", "tea", "graphs", "rain", "salt", "maps", "ice", "wind", "trains", "clocks",
+          "bees", "glass", "paper"]
+STOPS = [" the", "."]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("agree")
+    tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
+    sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "stop": STOPS}
+    return load_config(write_config(tmp / "agree.toml", tables, **tiny_vllm_overrides(),
+                                    **{"generate.sampling": sampling}))
+
+
+@pytest.fixture(scope="module")
+def requests_(tiny_model):
+    formatter = ChatFormatter(AutoTokenizer.from_pretrained(tiny_model))
+    return [
+        GenerationRequest(str(i), formatter.prompt_ids((Message("user", f"Tell me about {t}."),), enable_thinking=True))
+        for i, t in enumerate(TOPICS)
+    ]
+
+
+def check_ends(generations, engine_name, tokenizer, eos_ids, pad_id):
+    reasons = set()
+    for g in generations:
+        text = tokenizer.decode(g.completion_ids, skip_special_tokens=False)
+        before = tokenizer.decode(g.completion_ids[:-1], skip_special_tokens=False)
+        stopped_on_string = any(s in text for s in STOPS) and not any(s in before for s in STOPS)
+        if g.finish_reason == "length":
+            assert len(g.completion_ids) == MAX_TOKENS and not any(s in text for s in STOPS), (engine_name, g)
+            reasons.add("length")
+        elif g.completion_ids[-1] in eos_ids and not any(s in before for s in STOPS):
+            reasons.add("eos")
+        else:
+            assert stopped_on_string, (engine_name, g.sample_id, text)
+            reasons.add("stop string")
+        assert pad_id not in g.completion_ids[:-1], (engine_name, g)
+    return reasons
+
+
+@pytest.mark.parametrize("pad_is_eos", [True, False])
+def test_the_transformers_engine_keeps_only_what_the_model_produced(config, requests_, tiny_model, pad_is_eos):
+    engine = TransformersGenerateEngine(config.with_overrides(generate={"engine": "transformers", "batch_size": 16}))
+    assert engine.pad_id in engine.eos_ids
+    if not pad_is_eos:
+        engine.pad_id = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")  # never generated, not an EOS
+    generations = engine.generate(requests_)
+    reasons = check_ends(generations, "transformers", engine.tokenizer, set(engine.eos_ids), engine.pad_id)
+    assert "stop string" in reasons
+    assert all(g.completion_ids[-1] != engine.pad_id or g.completion_ids[-1] in engine.eos_ids for g in generations)
+
+
+@pytest.mark.vllm
+def test_vllm_and_transformers_end_greedy_replies_alike(config, requests_):
+    from dflash_queue.engines.vllm_generate import VllmGenerateEngine
+
+    hf = TransformersGenerateEngine(config.with_overrides(generate={"engine": "transformers", "batch_size": 16}))
+    expected = hf.generate(requests_)
+    hf.close()
+    vllm = VllmGenerateEngine(config)
+    try:
+        got = vllm.generate(requests_)
+    finally:
+        vllm.close()
+    check_ends(got, "vllm", hf.tokenizer, set(hf.eos_ids), hf.pad_id)
+    assert [(g.completion_ids, g.finish_reason) for g in got] == [(e.completion_ids, e.finish_reason) for e in expected]
