@@ -55,7 +55,7 @@ class RunSummary:
             f"{self.report.skipped_done} were already done",
             f"tokens generated:  {c.get('generate_completion_tokens', 0)} "
             f"(prompts {c.get('generate_prompt_tokens', 0)}; "
-            f"stopped {c.get('finish_stop', 0)}, truncated {c.get('finish_length', 0)})",
+            f"turns stopped {c.get('finish_stop', 0)}, truncated {c.get('finish_length', 0)})",
             f"quality gate:      {gate[0]}",
             *(f"                   {line}" for line in gate[1:]),
             f"tokens extracted:  {c.get('extract_tokens', 0)} ({c.get('extract_bytes', 0) / 1e6:.1f} MB)",

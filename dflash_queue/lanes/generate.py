@@ -66,7 +66,10 @@ def summarize(
         num_samples=len(records),
         prompt_tokens=sum(r.num_tokens for r in records) - generated,
         completion_tokens=generated,
-        finish_reasons=dict(Counter(r.finish_reason for r in records)),
+        # Every generated turn's, not only each sample's last turn's.
+        finish_reasons=dict(
+            Counter(r.finish_reason for r in records) + Counter(t.finish_reason for r in records for t in r.earlier_turns)
+        ),
         skipped=skipped,
         kept=sum(1 for r in records if r.kept),
         gate=gate.as_dict(),

@@ -64,6 +64,8 @@ class LaneStatus:
     rates: dict[str, float]  # the same labels, per second over the window
     quality: dict[str, int] = field(default_factory=dict)
     quality_dropped: int = 0
+    # Generate lane: generated turns by finish reason (`finish_stop`, `finish_length`), every turn counted.
+    finish_reasons: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     eta_s: float | None = None
     # Extract lane: samples recomputed alone by the canary, and the worst relative error any of them showed.
@@ -197,6 +199,9 @@ def collect_status(
         if lane == "generate":
             status.quality = {k: v for k, v in sorted(counters.items()) if k.startswith(QUALITY_PREFIX)}
             status.quality_dropped = counters.get("gate_drop", 0)
+            status.finish_reasons = {
+                k.removeprefix("finish_"): v for k, v in sorted(counters.items()) if k.startswith("finish_")
+            }
         else:
             status.canary_samples = counters.get("extract_canary_samples", 0)
             status.canary_worst_error = maxima.get(CANARY_ERROR)

@@ -27,6 +27,7 @@ def status_table(status: RunStatus) -> Group:
         ("samples", lambda s: f"{s.samples_done:,} / {s.samples_total:,}"),
         ("tokens", _tokens),
         ("throughput", _throughput),
+        ("turns", _turns),
         ("quality gate", _quality),
         ("canary", _canary),
         ("dead letters", lambda s: f"{s.dead_letters:,}"),
@@ -94,3 +95,11 @@ def _canary(s: LaneStatus) -> str:
     if not s.canary_samples or s.canary_worst_error is None:
         return "no sample checked yet"
     return f"{s.canary_samples:,} samples rerun alone, worst relative error {s.canary_worst_error:.2e}"
+
+
+def _turns(s: LaneStatus) -> str:
+    if s.lane != "generate":
+        return "—"
+    reasons = {"stop": "stopped", "length": "truncated"}
+    parts = [f"{reasons.get(k, k)} {v:,}" for k, v in s.finish_reasons.items()]
+    return " · ".join(parts) or "none generated yet"

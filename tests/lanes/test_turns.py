@@ -73,6 +73,10 @@ def test_every_assistant_turn_regenerated_on_the_exact_ids(make_config):
         for message in sample.messages:
             assert message.content in text  # every user turn is in the sequence, in order
     assert summary.completion_tokens == sum(r.generated_tokens for r in records.values())
+    # Finish reasons are counted per generated turn, not per sample's last turn.
+    counters = summary.counters()
+    turns = sum(1 + len(r.earlier_turns) for r in records.values())
+    assert counters.get("finish_stop", 0) + counters.get("finish_length", 0) == turns > len(records)
 
     extract = ExtractLane(config, build_extractor(config), storage)
     extract.run(shard_id)

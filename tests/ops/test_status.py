@@ -119,7 +119,8 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     ledger.add({"enqueued_samples": 80}, now=now - 300)
     # In the last 5 minutes: 4 shards generated and extracted, so 1 shard per 75 s per lane.
     ledger.add({"generate_shards": 4, "generate_samples": 32, "gate_keep": 28, "gate_flag": 2,
-                "gate_drop": 4, "gate_stub_drop": 3, "gate_truncated_flag": 2, "gate_empty_drop": 1}, now=now - 10)
+                "gate_drop": 4, "gate_stub_drop": 3, "gate_truncated_flag": 2, "gate_empty_drop": 1,
+                "finish_stop": 37, "finish_length": 5}, now=now - 10)
     ledger.add({"extract_shards": 4, "extract_samples": 26}, now=now - 5)
     dead = DeadLetters.from_url(redis_url, config.run.name)
     for shard in ("s7", "s8"):
@@ -134,10 +135,12 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     assert gen.quality == {"gate_drop": 4, "gate_empty_drop": 1, "gate_flag": 2, "gate_keep": 28,
                            "gate_stub_drop": 3, "gate_truncated_flag": 2}
     assert gen.quality_dropped == 4
+    assert gen.finish_reasons == {"length": 5, "stop": 37} and ext.finish_reasons == {}
     assert (gen.dead_letters, ext.dead_letters) == (2, 0)
 
     text = _render(status)
     assert "4 dropped" in text and "6 min" in text
+    assert "truncated 5 · stopped 37" in text
 
 
 def test_queue_depth_counts_priority_queues_and_unacked_by_lane(redis_url):
