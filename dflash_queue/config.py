@@ -313,8 +313,11 @@ class QualityConfig(_Section):
 
     # Empty: no answer and no reasoning tokens at all.
     on_empty: GateAction = "drop"
-    # Stub: fewer than `min_answer_tokens` answer tokens (tokens after the thinking block closes).
+    # Stub: a placeholder answer (the tokens after the thinking block closes): none at all, no letter or digit,
+    # or stock filler only ("OK.", "Sure.", "N/A", "TODO", "..."). A short answer ("Paris.", a label) is no stub.
     on_stub: GateAction = "flag"
+    # Short: fewer than `min_answer_tokens` answer tokens. Off by default: a short answer can be the right one.
+    on_short: GateAction = "off"
     min_answer_tokens: Annotated[int, Field(ge=1)] = 8
     # Truncated: the engine stopped at the token budget (finish_reason "length").
     on_truncated: GateAction = "flag"

@@ -22,12 +22,10 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.data.schemas import RecordError
 from dflash_queue.data.selection import to_sample
 from dflash_queue.data.thinking import apply_thinking_policy, decide_thinking
+from dflash_queue.quality.placeholders import FILLER
 
-PLACEHOLDER = re.compile(
-    r"^\W*(ok(ay)?|sure|yes|no|n/?a|none|null|nil|todo|tbd|placeholder|lorem ipsum.*|response|answer|output"
-    r"|got it|done|thanks?|thank you|noted|understood|\.{2,}|…+|-+|<\w+>|\[\w+\]|\{\w+\})\W*$",
-    re.IGNORECASE | re.DOTALL,
-)
+# A dataset's existing reply of a bare yes / no / none is counted as filler too (the gate does not count it).
+PLACEHOLDER = re.compile(rf"^\W*({FILLER}|yes|no|none)\W*$", re.IGNORECASE | re.DOTALL)
 BATCH = 2048
 
 

@@ -11,8 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dflash_queue.quality.placeholders import is_placeholder
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
+# Placeholder answers are short: longer answers are not decoded to look for one.
+PLACEHOLDER_MAX_TOKENS = 16
 
 
 @dataclass
@@ -59,14 +63,18 @@ class TurnAssessment:
     truncated: bool
     # Period (tokens) of the loop the completion ends in; 0 when there is none.
     loop_period: int
+    # The answer holds no answer: nothing after the thinking block, no letter or digit, or stock filler ("OK.").
+    placeholder: bool = False
 
     def failed(self, *, min_answer_tokens: int) -> tuple[str, ...]:
         """Names of the checks this turn fails, in the order of `CHECKS`."""
         out = []
         if self.content_tokens == 0:
             out.append("empty")
-        elif self.thinking != "unclosed" and self.answer_tokens < min_answer_tokens:
+        elif self.thinking != "unclosed" and self.placeholder:
             out.append("stub")
+        elif self.thinking != "unclosed" and self.answer_tokens < min_answer_tokens:
+            out.append("short")
         if self.truncated:
             out.append("truncated")
         if self.thinking == "unclosed":
@@ -76,7 +84,7 @@ class TurnAssessment:
         return tuple(out)
 
 
-CHECKS = ("empty", "stub", "truncated", "unclosed_thinking", "repetition")
+CHECKS = ("empty", "stub", "short", "truncated", "unclosed_thinking", "repetition")
 
 
 @dataclass(frozen=True)
@@ -107,13 +115,18 @@ def assess_turn(
     else:
         thinking, answer_from = "none", completion_start
     answer_from = max(answer_from, completion_start)
+    answer = [t for t in turn_ids[answer_from:] if markers.is_content(t)]
+    placeholder = not answer
+    if answer and len(answer) <= PLACEHOLDER_MAX_TOKENS and markers.decode is not None:
+        placeholder = is_placeholder(markers.decode([t for t in turn_ids[answer_from:] if t not in markers.special]))
     return TurnAssessment(
         completion_tokens=len(completion),
         content_tokens=sum(1 for t in completion if markers.is_content(t)),
-        answer_tokens=sum(1 for t in turn_ids[answer_from:] if markers.is_content(t)),
+        answer_tokens=len(answer),
         thinking=thinking,
         truncated=finish_reason == "length",
         loop_period=loop_period([t for t in completion if t not in markers.special], loops),
+        placeholder=placeholder,
     )
 
 

@@ -89,6 +89,7 @@ class QualityGate:
         self.policy = {
             "empty": config.on_empty,
             "stub": config.on_stub,
+            "short": config.on_short,
             "truncated": config.on_truncated,
             "unclosed_thinking": config.on_unclosed_thinking,
             "repetition": config.on_repetition,

@@ -92,7 +92,8 @@ def produced(make_config):
     """A storage root with completions and training shards made by the real lanes, with stubs in them."""
     config = make_config(
         dataset={"thinking": "never"},
-        quality={"on_stub": "flag", "on_truncated": "flag", "on_empty": "drop", "on_repetition": "flag"},
+        quality={"on_stub": "flag", "on_short": "flag", "on_truncated": "flag", "on_empty": "drop",
+                 "on_repetition": "flag"},
         **{"generate.sampling": {"max_tokens": 6}},
     )
     storage = open_storage(config.storage.url)
@@ -127,8 +128,10 @@ def test_outputs_audit_reads_loss_masks_and_verdicts(produced, tmp_path):
     assert completions["samples"] == 16 and shards["samples"] == len(kept) == len(sums)
     assert shards["dropped_by_gate"] == completions["dropped_by_gate"] == 16 - len(kept)
     assert shards["loss_mask_sum"]["max"] == max(sums) <= 6 and shards["loss_mask_sum"]["count"] == len(kept)
-    # Six tokens cannot make an eight-token answer: every kept sample is a stub, flagged as one.
-    assert shards["stub_share"] == 1.0 and shards["flags"]["stub"] == len(kept)
+    # Six tokens cannot make an eight-token answer: every kept sample is below the audit's threshold, and the gate
+    # flagged each as either a placeholder (stub) or a short answer.
+    assert shards["stub_share"] == 1.0
+    assert shards["flags"].get("stub", 0) + shards["flags"].get("short", 0) == len(kept)
     assert shards["truncated_share"] == pytest.approx(sum(r.finish_reason == "length" for r in kept) / len(kept))
     assert shards["closed_thinking_share"] == 0.0 and set(shards["thinking"]) == {"off"}
     assert result.returncode == 1 and not report["passed"]

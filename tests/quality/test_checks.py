@@ -41,13 +41,45 @@ def test_thinking_closed_in_the_completion_counts_only_the_answer(kit):
                     if tokenizer.decode([t]).strip()])
     assert a.answer_tokens == expected
     assert a.failed(min_answer_tokens=expected) == ()
-    assert a.failed(min_answer_tokens=expected + 1) == ("stub",)
+    assert a.failed(min_answer_tokens=expected + 1) == ("short",)  # short, not a stub: it answers
 
 
 def test_thinking_off_the_template_closed_block_is_in_the_prompt(kit):
     a = assess(kit, "Four.<|im_end|>", thinking=False)
     assert a.thinking == "off" and a.answer_tokens == len(kit[1].encode("Four.")) == a.completion_tokens - 1
-    assert a.failed(min_answer_tokens=8) == ("stub",)
+    assert a.failed(min_answer_tokens=8) == ("short",)
+
+
+@pytest.mark.parametrize(
+    ("completion", "thinking", "failed"),
+    [
+        # Short correct answers: not stubs (only "short", which the gate leaves off by default).
+        ("The capital of France is Paris.<|im_end|>", False, ("short",)),
+        ("Paris<|im_end|>", False, ("short",)),
+        ("positive<|im_end|>", False, ("short",)),
+        ("Yes.<|im_end|>", False, ("short",)),
+        ("<think>\nThe sentiment is upbeat.\n</think>\n\nPositive<|im_end|>", True, ("short",)),
+        # Placeholders: stock filler, punctuation only, or nothing after the thinking.
+        ("OK.<|im_end|>", False, ("stub",)),
+        ("Sure!<|im_end|>", False, ("stub",)),
+        ("N/A<|im_end|>", False, ("stub",)),
+        ("...<|im_end|>", False, ("stub",)),
+        ("<think>\nLet me work this out carefully.\n</think>\n\n<|im_end|>", True, ("stub",)),
+        ("<think>\nI will answer.\n</think>\n\nOkay<|im_end|>", True, ("stub",)),
+        # Long enough and real: nothing.
+        ("Two plus two is four, because adding two units to two units gives four units.<|im_end|>", False, ()),
+    ],
+)
+def test_stubs_are_placeholders_and_short_answers_are_not(kit, completion, thinking, failed):
+    # 16: "The capital of France is Paris." is 13 tokens here (7 with a real Qwen tokenizer).
+    assert assess(kit, completion, thinking=thinking).failed(min_answer_tokens=16) == failed
+
+
+def test_short_answers_pass_the_default_gate_and_stubs_are_flagged(kit):
+    gate = QualityGate(QualityConfig(), kit[2])
+    for text, decision in (("Paris.<|im_end|>", KEEP), ("positive<|im_end|>", KEEP), ("OK.<|im_end|>", FLAG)):
+        ids, start = turn(kit, text, thinking=False)
+        assert gate.judge(ids, start, "stop").decision == decision, text
 
 
 def test_template_that_opens_thinking_in_the_prompt(kit):
