@@ -149,14 +149,22 @@ def batched(items: Iterable, size: int) -> Iterator[list]:
         yield batch
 
 
-def build_length_filter(config: Config) -> LengthFilter | None:
-    if not config.dataset.length_filter:
-        return None
+def checked_formatter(config: Config):
+    """The target's chat template, refused (ConfigError, the message `doctor` gives) when it cannot do what
+    `dataset.thinking` asks: checked before anything is staged or sent."""
     from transformers import AutoTokenizer
 
     from dflash_queue.engines.chat import ChatFormatter
 
     formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
+    formatter.require_thinking_policy(config.dataset.thinking, config.source)
+    return formatter
+
+
+def build_length_filter(config: Config, formatter=None) -> LengthFilter | None:
+    if not config.dataset.length_filter:
+        return None
+    formatter = formatter or checked_formatter(config)
     return LengthFilter(formatter, max_model_len=config.max_model_len(), budget=config.generation_budget)
 
 
@@ -173,7 +181,8 @@ class Producer:
         self.ledger = ledger
         self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
-        self.length_filter = build_length_filter(config) if length_filter is True else length_filter or None
+        formatter = checked_formatter(config)
+        self.length_filter = build_length_filter(config, formatter) if length_filter is True else length_filter or None
 
     def enqueue(
         self,

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
-from dflash_queue.producer import EnqueueReport, Producer
+from dflash_queue.producer import EnqueueReport, Producer, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.maintenance import restore_unacked
@@ -99,6 +99,7 @@ def run_single_box(
 ) -> RunSummary:
     console = console or Console(stderr=True)
     started = time.monotonic()
+    checked_formatter(config)  # a thinking policy the template cannot honour stops the run before anything starts
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         if not config.broker.url:

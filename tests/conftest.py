@@ -59,6 +59,20 @@ def tiny_family(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> C
 
 
 @pytest.fixture
+def tiny_model_with_template(tiny_model: Path, tmp_path: Path) -> Callable[[str], Path]:
+    """A copy of the tiny model whose chat template is replaced."""
+    import shutil
+
+    def make(template: str, name: str = "tiny-templated") -> Path:
+        model = tmp_path / name
+        shutil.copytree(tiny_model, model)
+        (model / "chat_template.jinja").write_text(template)
+        return model
+
+    return make
+
+
+@pytest.fixture
 def make_config(tmp_path: Path, tiny_model: Path, redis_url: str) -> Callable[..., Config]:
     """Write a tiny-model config under tmp_path (with per-table overrides) and load it like a user would."""
 

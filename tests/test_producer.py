@@ -14,6 +14,7 @@ from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import prompts_key, shard_key
+from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -165,3 +166,32 @@ def test_enqueue_command_rebuild_flag(make_config, redis_url):
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert "shards: 7 (7 enqueued, 0 already done; rebuild: ledger ignored, 7 of those" in rebuilt.stdout
     assert len(queued_messages(redis_url)) == 7
+
+
+def test_a_thinking_policy_the_template_cannot_honour_is_refused_before_anything_is_staged(
+    make_config, redis_url, tiny_model_with_template, tmp_path
+):
+    """A thinking-only template (it opens <think> whatever enable_thinking says) with dataset.thinking = never:
+    `enqueue` (and `run`, and the generate workers) refuse with the message `doctor` gives; nothing is staged."""
+    from dflash_queue.errors import ConfigError
+
+    model = tiny_model_with_template(THINKING_ONLY_TEMPLATE)
+    config = make_config("never.toml", model={"path": str(model)}, dataset={"thinking": "never"})
+    message = "dataset.thinking: the template always opens <think>: dataset.thinking = 'never' cannot be honoured"
+    with pytest.raises(ConfigError, match=message):
+        Producer(config, Ledger.from_url(redis_url, config.run.name))
+    command = [sys.executable, "-m", "dflash_queue", "enqueue", str(SAMPLE), "-c", str(config.source)]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and message in refused.stderr
+    run_out = tmp_path / "run-out"
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(SAMPLE), "-c", str(config.source), "-o", str(run_out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 1 and message in run.stderr
+    assert "started" not in run.stderr  # neither a broker nor a worker was started
+    storage = open_storage(config.storage)
+    assert list(storage.list("")) == [] and not run_out.exists()
+    assert redis.Redis.from_url(redis_url).llen(GENERATE_QUEUE) == 0
+    always = make_config("always.toml", model={"path": str(model)}, dataset={"thinking": "always"})
+    Producer(always, Ledger.from_url(redis_url, always.run.name))  # the same template honours "always"

@@ -40,11 +40,13 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
         raise click.ClickException(str(exc)) from None
     console = Console(stderr=True)
     ledger = Ledger.from_url(config.broker.url, config.run.name)
+    try:
+        producer = Producer(config, ledger)
+    except ConfigError as exc:  # a thinking policy the template cannot honour: nothing staged
+        raise click.ClickException(str(exc)) from None
     with Progress(TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("samples", total=None)
-        report = Producer(config, ledger).enqueue(
-            list(datasets), on_shard=lambda n: bar.advance(task, n), rebuild=rebuild
-        )
+        report = producer.enqueue(list(datasets), on_shard=lambda n: bar.advance(task, n), rebuild=rebuild)
     for line in report.lines():
         click.echo(line)
 
@@ -100,7 +102,7 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None) -> No
     console = Console(stderr=True)
     try:
         summary = run_single_box(config_path, config, list(datasets), console=console)
-    except RunFailed as exc:
+    except (RunFailed, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         console.print("interrupted: workers and broker stopped; queued work is kept for the next run")

@@ -11,6 +11,7 @@ Besides whole prompts, the formatter knows two pieces of template output that to
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
 from dflash_queue.data.samples import Message
@@ -18,6 +19,14 @@ from dflash_queue.data.samples import Message
 # Text that cannot occur in a conversation, used to find what a template writes around a turn.
 _SENTINEL_USER = "\u2063dfq-user\u2063"
 _SENTINEL_REPLY = "\u2063dfq-reply\u2063"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_PROBE = (Message("user", "What is 2 + 2?"),)
+
+
+@dataclass(frozen=True)
+class ThinkingPolicyCheck:
+    ok: bool
+    message: str
 
 
 class ChatFormatter:
@@ -50,6 +59,55 @@ class ChatFormatter:
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
         )
+
+    def effective_thinking(self, requested: bool) -> bool:
+        """Whether a turn generated with `enable_thinking = requested` starts with thinking on, as the template
+        decides: a generation prompt that opens `<think>` (thinking-first templates) thinks, one that writes a
+        closed empty block does not, and one that writes neither leaves it to the request."""
+        opening = self.tokenizer.decode(list(self._generation_prompt(requested)), skip_special_tokens=False)
+        opened, closed = opening.rfind(THINK_OPEN), opening.rfind(THINK_CLOSE)
+        if opened < 0 and closed < 0:
+            return requested
+        return opened > closed
+
+    def check_thinking_policy(self, policy: str) -> ThinkingPolicyCheck:
+        """Whether the template can do what `dataset.thinking = policy` asks: render one prompt with
+        enable_thinking False and True and compare.
+
+        Different renderings: the template has a switch, every policy works. The same rendering: the template
+        either always opens a thinking block (a thinking-only model; `never` cannot be honoured) or ignores the
+        flag and never thinks (`always`/`auto` cannot be honoured).
+        """
+        try:
+            off = self.render(_PROBE, enable_thinking=False)
+            on = self.render(_PROBE, enable_thinking=True)
+        except Exception as exc:
+            return ThinkingPolicyCheck(
+                False, f"the template does not render a one-turn prompt: {type(exc).__name__}: {exc}"
+            )
+        if off != on:
+            return ThinkingPolicyCheck(True, f"enable_thinking switches thinking; policy {policy!r} can be honoured")
+        if THINK_OPEN in on[on.rfind(_PROBE[-1].content) :]:
+            if policy == "never":
+                return ThinkingPolicyCheck(
+                    False, "the template always opens <think>: dataset.thinking = 'never' cannot be honoured"
+                )
+            return ThinkingPolicyCheck(True, f"the template always thinks; policy {policy!r} is satisfied")
+        if policy == "never":
+            return ThinkingPolicyCheck(True, "the template has no thinking mode; policy 'never' is satisfied")
+        return ThinkingPolicyCheck(
+            False,
+            f"the template ignores enable_thinking and never opens <think>: dataset.thinking = {policy!r} needs a "
+            "template with a thinking mode",
+        )
+
+    def require_thinking_policy(self, policy: str, source: str) -> None:
+        """ConfigError (with the message `doctor` gives) when the template cannot honour the policy."""
+        from dflash_queue.errors import ConfigError
+
+        check = self.check_thinking_policy(policy)
+        if not check.ok:
+            raise ConfigError(f"{source}: invalid configuration\n  dataset.thinking: {check.message}")
 
     def encode(self, text: str) -> list[int]:
         # The template already wrote every special token; adding BOS/EOS again would change the prompt.

@@ -84,6 +84,8 @@ class GenerateLane:
         self.storage = storage or open_storage(config.storage)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.formatter = ChatFormatter(tokenizer)
+        # Refused at worker start, with the message `doctor` gives, rather than recorded wrongly sample by sample.
+        self.formatter.require_thinking_policy(config.dataset.thinking, config.source)
         self.turns = TurnGenerator(
             engine,
             self.formatter,

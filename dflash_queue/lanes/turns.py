@@ -153,7 +153,8 @@ class TurnGenerator:
             prompt_ids=c.ids[: c.completion_start],
             completion_ids=c.ids[c.completion_start :],
             finish_reason=c.last.finish_reason,
-            thinking=c.sample.thinking,
+            # What the prompt did, as the template decides (a thinking-first template thinks whatever was asked).
+            thinking=self.formatter.effective_thinking(c.sample.thinking),
             text=c.last.text,
             source=c.sample.source,
             earlier_turns=tuple(c.spans),

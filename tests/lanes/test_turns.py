@@ -156,3 +156,38 @@ def test_thinking_that_never_closes_is_dropped_and_still_accounted_for(make_conf
         assert len(shard) == len(records) - len(dropped)
         assert {d["id"] for d in shard.dropped} == {r.id for r in dropped}
         assert all(d["flags"] and "unclosed_thinking" in d["flags"] for d in shard.dropped)
+
+
+def test_thinking_is_recorded_as_the_prompt_did_it(
+    make_config, tiny_model_with_template, thinking_template_model, tmp_path
+):
+    """With `auto`, some samples ask for thinking off; a thinking-only template opens <think> anyway, so every
+    reply starts inside a thinking block and is recorded `thinking = true`. A template with a switch records
+    what was asked."""
+    from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
+
+    every = example_samples("last", "auto", 50)
+    samples = [s for s in every if s.thinking][:3] + [s for s in every if not s.thinking][:3]
+    assert {s.thinking for s in samples} == {True, False}
+    for model, expected in (
+        (tiny_model_with_template(THINKING_ONLY_TEMPLATE), {s.id: True for s in samples}),
+        (thinking_template_model, {s.id: s.thinking for s in samples}),
+    ):
+        config = make_config(
+            f"{model.name}.toml", model={"path": str(model)}, dataset={"thinking": "auto"},
+            storage={"url": str(tmp_path / f"storage-{model.name}")}, **{"generate.sampling": {"max_tokens": 6}},
+        )
+        storage, shard_id = stage(config, samples)
+        GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+        records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
+        assert {r.id: r.thinking for r in records} == expected, model.name
+
+
+def test_a_generate_worker_refuses_a_policy_its_template_cannot_honour(make_config, tiny_model_with_template, start_worker):
+    from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
+
+    config = make_config(model={"path": str(tiny_model_with_template(THINKING_ONLY_TEMPLATE))},
+                         dataset={"thinking": "never"})
+    with pytest.raises(RuntimeError, match="generate worker exited") as failed:
+        start_worker(config, "generate")
+    assert "dataset.thinking = 'never' cannot be honoured" in str(failed.value)

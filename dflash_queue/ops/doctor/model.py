@@ -5,13 +5,10 @@ it."""
 from __future__ import annotations
 
 from dflash_queue.config import Config
-from dflash_queue.data.samples import Message
 from dflash_queue.engines.architecture import profile_config
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.layers import resolve_layer_ids
 from dflash_queue.ops.doctor.result import Check
-
-PROBE = (Message("user", "What is 2 + 2?"),)
 
 
 def check_model(config: Config) -> tuple[list[Check], object | None]:
@@ -62,33 +59,7 @@ def check_architecture(model_config, config: Config) -> Check:
 
 
 def check_thinking_template(tokenizer, policy: str) -> Check:
-    """Render one prompt with enable_thinking False and True and compare.
-
-    Different renderings: the template has a switch, every policy works. The same rendering: the template
-    either always opens a thinking block (a thinking-only model; `never` cannot be honoured) or ignores the
-    flag and never thinks (`always`/`auto` cannot be honoured).
-    """
-    name = "chat template thinking"
-    formatter = ChatFormatter(tokenizer)
-    try:
-        off = formatter.render(PROBE, enable_thinking=False)
-        on = formatter.render(PROBE, enable_thinking=True)
-    except Exception as exc:
-        return Check.failed(name, f"the template does not render a one-turn prompt: {type(exc).__name__}: {exc}")
-    if off != on:
-        return Check.passed(name, f"enable_thinking switches thinking; policy {policy!r} can be honoured")
-    generation_prompt = on[on.rfind(PROBE[-1].content) :]
-    always_thinks = "<think>" in generation_prompt
-    if always_thinks:
-        if policy == "never":
-            return Check.failed(
-                name, "the template always opens <think>: dataset.thinking = 'never' cannot be honoured"
-            )
-        return Check.passed(name, f"the template always thinks; policy {policy!r} is satisfied")
-    if policy == "never":
-        return Check.passed(name, "the template has no thinking mode; policy 'never' is satisfied")
-    return Check.failed(
-        name,
-        f"the template ignores enable_thinking and never opens <think>: dataset.thinking = {policy!r} needs a "
-        "template with a thinking mode",
-    )
+    """Whether the chat template can do what the thinking policy asks (see ChatFormatter.check_thinking_policy);
+    `run`, `enqueue` and the generate workers refuse the same configurations with the same message."""
+    check = ChatFormatter(tokenizer).check_thinking_policy(policy)
+    return (Check.passed if check.ok else Check.failed)("chat template thinking", check.message)

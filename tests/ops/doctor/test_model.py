@@ -6,13 +6,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.ops.doctor.model import check_model, check_thinking_template
+from dflash_queue.testing.templates import PLAIN_TEMPLATE, THINKING_ONLY_TEMPLATE
 
-# A template without a thinking mode, and one that always opens a thinking block (a thinking-only model).
-PLAIN_TEMPLATE = (
-    "{%- for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-THINKING_ONLY_TEMPLATE = PLAIN_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
 
 
 @pytest.fixture(scope="module")
