@@ -77,13 +77,14 @@ def count_prompt_tokens(formatter, samples: list[Sample]) -> list[int]:
 
 
 def _render(formatter, samples: list[Sample]) -> list[tuple[list[int], list[str]]]:
-    """(positions, templated texts) per thinking setting: the template takes it per call."""
+    """(positions, templated texts) per thinking setting and tools: the template takes them per call."""
+    picks: dict[tuple[bool, str | None], list[int]] = {}
+    for index, sample in enumerate(samples):
+        picks.setdefault((sample.thinking, sample.tools), []).append(index)
     groups = []
-    for thinking in (True, False):
-        picked = [i for i, s in enumerate(samples) if s.thinking == thinking]
-        if picked:
-            texts = formatter.render_batch([counted_messages(samples[i]) for i in picked], enable_thinking=thinking)
-            groups.append((picked, texts))
+    for (thinking, tools), picked in picks.items():
+        messages = [counted_messages(samples[i]) for i in picked]
+        groups.append((picked, formatter.render_batch(messages, enable_thinking=thinking, tools=tools)))
     return groups
 
 

@@ -65,6 +65,11 @@ class Sample:
     regenerate: Regenerate = "last"
     # The dataset's own reply that the target model regenerates; kept for audits only.
     reference: str | None = field(default=None, compare=False)
+    # Tool schemas (canonical JSON list) the chat template renders into the prompt; None without tools.
+    tools: str | None = None
+
+    def tool_list(self) -> list[Any] | None:
+        return json.loads(self.tools) if self.tools is not None else None
 
     @property
     def num_turns(self) -> int:
@@ -82,6 +87,8 @@ class Sample:
         }
         if self.regenerate != "last":
             out["regenerate"] = self.regenerate
+        if self.tools is not None:
+            out["tools"] = json.loads(self.tools)
         return out
 
     @classmethod
@@ -92,6 +99,7 @@ class Sample:
             source=data.get("source", ""),
             thinking=bool(data.get("thinking", True)),
             regenerate=data.get("regenerate", "last"),
+            tools=canonical_json(data["tools"]) if data.get("tools") is not None else None,
         )
 
 
@@ -99,9 +107,9 @@ def canonical_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
-def sample_id(messages: tuple[Message, ...]) -> str:
-    """A stable id from the normalised conversation: the same messages always get the same id."""
-    rows: list[list[str]] = []
+def sample_id(messages: tuple[Message, ...], tools: str | None = None) -> str:
+    """A stable id from the normalised conversation (and its tools): the same input always gets the same id."""
+    rows: list[list[str]] = [["tools", tools]] if tools is not None else []
     for m in messages:
         row = [m.role, m.content]
         # Optional parts only when present, so plain conversations keep the ids they always had.

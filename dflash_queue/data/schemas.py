@@ -23,6 +23,8 @@ SHAREGPT_ROLES = {
     "tool": "tool",
     "observation": "tool",
     "function": "tool",
+    # LLaMA-Factory's ShareGPT: the assistant's tool call, its value a JSON {"name", "arguments"} (or a list).
+    "function_call": "assistant",
 }
 OPENAI_ROLES = {
     "user": "user",
@@ -47,6 +49,8 @@ class RecordError(ValueError):
 class Conversation:
     messages: tuple[Message, ...]
     schema: str
+    # The record's tool schemas as canonical JSON (a list), handed to the chat template; None without tools.
+    tools: str | None = None
 
 
 def parse_record(data: Any) -> Conversation:
@@ -61,10 +65,11 @@ def parse_record(data: Any) -> Conversation:
             text = _text(system, "system", allow_empty=True)
             if text.strip():
                 messages.insert(0, Message("system", text))
-        return Conversation(tuple(messages), "sharegpt")
+        return Conversation(tuple(messages), "sharegpt", _tools(data.get("tools")))
     if data.get("messages") is not None:
         turns = _maybe_json(data["messages"], "messages")
-        return Conversation(tuple(_parse_turns(turns, "messages", "role", "content", OPENAI_ROLES)), "openai")
+        messages = _parse_turns(turns, "messages", "role", "content", OPENAI_ROLES)
+        return Conversation(tuple(messages), "openai", _tools(data.get("tools")))
     if data.get("prompt") is not None:
         return Conversation(tuple(_parse_prompt(data)), "prompt")
     raise RecordError("no conversation: expected a 'conversations' or 'messages' list or a 'prompt' string")
@@ -111,6 +116,9 @@ def _parse_turns(turns: Any, field: str, role_key: str, content_key: str, roles:
         if role is None:
             raise RecordError(f"unknown role: {_short(role_value)}", f"{where}.{role_key}")
         tool_calls = _tool_calls(turn.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else None
+        if role_value.strip().lower() == "function_call":
+            messages.append(Message("assistant", "", None, _sharegpt_call(turn.get(content_key), f"{where}.{content_key}")))
+            continue
         reasoning = None
         if role == "assistant" and turn.get("reasoning_content") is not None:
             reasoning = _text(turn["reasoning_content"], f"{where}.reasoning_content", allow_empty=True)
@@ -159,6 +167,31 @@ def _tool_calls(value: Any, key: str) -> str | None:
         return text
     except (TypeError, ValueError, RecursionError):
         raise RecordError("tool_calls cannot be encoded as JSON", key) from None
+
+
+def _tools(value: Any) -> str | None:
+    """A record's `tools`: a list of schemas, or that list as a JSON string (ShareGPT exports)."""
+    if value is None or value == [] or value == "":
+        return None
+    value = _maybe_json(value, "tools")
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise RecordError("wrong type: tools must be a list of objects", "tools")
+    try:
+        return canonical_json(value)
+    except (TypeError, ValueError, RecursionError):
+        raise RecordError("tools cannot be encoded as JSON", "tools") from None
+
+
+def _sharegpt_call(value: Any, key: str) -> str:
+    """A ShareGPT `function_call` turn's value -> OpenAI-style tool_calls."""
+    calls = _maybe_json(value, key)
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        raise RecordError('a function_call must be a JSON object with a "name" (or a list of them)', key)
+    return _tool_calls(
+        [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls],
+        key,
+    )  # type: ignore[return-value]
 
 
 def _short(value: Any, limit: int = 40) -> str:

@@ -10,6 +10,7 @@ Besides whole prompts, the formatter knows two pieces of template output that to
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,16 +42,21 @@ class ChatFormatter:
             getattr(tokenizer, "added_tokens_decoder", None) or {}
         )
 
-    def render(self, messages: Sequence[Message], *, enable_thinking: bool) -> str:
+    def render(self, messages: Sequence[Message], *, enable_thinking: bool, tools: str | None = None) -> str:
+        """The prompt text: the conversation with the template's generation prompt; `tools` (canonical JSON
+        list of schemas) go to the template, which renders its tools block."""
         return self.tokenizer.apply_chat_template(
             [m.to_json() for m in messages],
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
+            tools=_tool_list(tools),
         )
 
-    def render_batch(self, conversations: Sequence[Sequence[Message]], *, enable_thinking: bool) -> list[str]:
-        """Like `render` for many conversations in one call (the template is compiled once)."""
+    def render_batch(
+        self, conversations: Sequence[Sequence[Message]], *, enable_thinking: bool, tools: str | None = None
+    ) -> list[str]:
+        """Like `render` for many conversations with the same tools in one call (the template is compiled once)."""
         if not conversations:
             return []
         return self.tokenizer.apply_chat_template(
@@ -58,6 +64,7 @@ class ChatFormatter:
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
+            tools=_tool_list(tools),
         )
 
     def effective_thinking(self, requested: bool) -> bool:
@@ -123,22 +130,23 @@ class ChatFormatter:
             return [len(encoding) for encoding in encode(list(texts), add_special_tokens=False)]
         return [len(ids) for ids in self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
-    def prompt_ids(self, messages: Sequence[Message], *, enable_thinking: bool) -> list[int]:
-        return self.encode(self.render(messages, enable_thinking=enable_thinking))
+    def prompt_ids(self, messages: Sequence[Message], *, enable_thinking: bool, tools: str | None = None) -> list[int]:
+        return self.encode(self.render(messages, enable_thinking=enable_thinking, tools=tools))
 
     def generation_prompt_ids(self, *, enable_thinking: bool) -> list[int]:
         """The ids that open a generated assistant turn (the tail the template adds for generation)."""
         return list(self._generation_prompt(enable_thinking))
 
     def continuation_ids(
-        self, messages: Sequence[Message], *, enable_thinking: bool, last_token: int | None
+        self, messages: Sequence[Message], *, enable_thinking: bool, last_token: int | None, tools: str | None = None
     ) -> list[int]:
         """Ids that follow a generated assistant turn whose final token is `last_token`: the end of that turn
-        (unless the engine already wrote it), `messages` (user/tool turns), then the next generation prompt."""
+        (unless the engine already wrote it), `messages` (user and tool turns, assistant tool calls kept
+        verbatim), then the next generation prompt."""
         ended_with = ""
         if last_token is not None and last_token in self._special_ids:
             ended_with = self.tokenizer.decode([last_token])
-        return self.encode(self._continuations(tuple(messages), enable_thinking, ended_with))
+        return self.encode(self._continuations(tuple(messages), enable_thinking, ended_with, tools))
 
     def _generation_prompt(self, enable_thinking: bool) -> tuple[int, ...]:
         cached = self._generation_prompts
@@ -155,7 +163,9 @@ class ChatFormatter:
             cached[enable_thinking] = tuple(self.encode(with_prompt[len(without) :]))
         return cached[enable_thinking]
 
-    def _continuation_text(self, messages: tuple[Message, ...], enable_thinking: bool, ended_with: str) -> str:
+    def _continuation_text(
+        self, messages: tuple[Message, ...], enable_thinking: bool, ended_with: str, tools: str | None
+    ) -> str:
         opening = [
             {"role": "user", "content": _SENTINEL_USER},
             {"role": "assistant", "content": _SENTINEL_REPLY},
@@ -165,6 +175,7 @@ class ChatFormatter:
             tokenize=False,
             add_generation_prompt=True,
             enable_thinking=enable_thinking,
+            tools=_tool_list(tools),
         )
         position = rendered.find(_SENTINEL_REPLY)
         if position < 0:
@@ -173,3 +184,7 @@ class ChatFormatter:
         if ended_with and after.startswith(ended_with):
             after = after[len(ended_with) :]
         return after
+
+
+def _tool_list(tools: str | None) -> list | None:
+    return json.loads(tools) if tools is not None else None

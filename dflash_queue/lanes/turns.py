@@ -83,7 +83,7 @@ class TurnGenerator:
 
     def _start(self, sample: Sample) -> _Conversation:
         first, between = split_turns(sample)
-        ids = self.formatter.prompt_ids(first, enable_thinking=sample.thinking)
+        ids = self.formatter.prompt_ids(first, enable_thinking=sample.thinking, tools=sample.tools)
         return _Conversation(sample, between, ids, self._turn_start(ids, sample.thinking))
 
     def _turn_start(self, ids: list[int], thinking: bool) -> int:
@@ -141,7 +141,10 @@ class TurnGenerator:
         last_token = g.completion_ids[-1] if g.finish_reason == "stop" and g.completion_ids else None
         c.ids.extend(
             self.formatter.continuation_ids(
-                c.between[c.turns_done - 1], enable_thinking=c.sample.thinking, last_token=last_token
+                c.between[c.turns_done - 1],
+                enable_thinking=c.sample.thinking,
+                last_token=last_token,
+                tools=c.sample.tools,
             )
         )
         c.turn_start = self._turn_start(c.ids, c.sample.thinking)

@@ -77,7 +77,7 @@ def count_prompts(
     report = EnqueueReport()
     sample, total = reservoir(iter_samples(config, datasets, report), sample_size, random.Random(seed))
     formatter = ChatFormatter(tokenizer)
-    lengths = [len(formatter.prompt_ids(s.messages, enable_thinking=s.thinking)) for s in sample]
+    lengths = [len(formatter.prompt_ids(s.messages, enable_thinking=s.thinking, tools=s.tools)) for s in sample]
     n = len(lengths)
     mean = sum(lengths) / n if n else 0.0
     std = math.sqrt(sum((x - mean) ** 2 for x in lengths) / (n - 1)) if n > 1 else 0.0

@@ -127,3 +127,68 @@ def test_regenerate_last_rejects_an_empty_context_reply_but_not_an_empty_final_o
     items = list(read_dataset([path], max_record_bytes=1 << 20))
     assert items[0].reason == "empty content" and items[0].key == "messages[1].content"
     assert isinstance(items[1], Sample) and items[1].reference == ""
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+def test_tools_are_read_from_openai_and_sharegpt_records():
+    openai = parse_record({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER_TOOL]})
+    assert json.loads(openai.tools) == [WEATHER_TOOL]
+    as_text = parse_record({"conversations": [{"from": "human", "value": "hi"}], "tools": json.dumps([WEATHER_TOOL])})
+    assert as_text.tools == openai.tools
+    assert parse_record({"messages": [{"role": "user", "content": "hi"}]}).tools is None
+
+
+def test_sharegpt_function_calls_become_assistant_tool_calls():
+    record = {
+        "conversations": [
+            {"from": "human", "value": "weather in Oslo?"},
+            {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})},
+            {"from": "observation", "value": "{\"c\": 3}"},
+            {"from": "gpt", "value": "3 degrees."},
+        ]
+    }
+    call = parse_record(record).messages[1]
+    assert (call.role, call.content) == ("assistant", "")
+    assert json.loads(call.tool_calls) == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]
+
+
+@pytest.mark.parametrize(
+    ("record", "reason", "key"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}], "tools": {"name": "f"}}, "tools must be a list", "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": "[1, 2]"}, "tools must be a list", "tools"),
+        ({"conversations": [{"from": "human", "value": "x"}, {"from": "function_call", "value": "{\"args\": 1}"}]},
+         "a function_call must be a JSON object with a \"name\"", "conversations[1].value"),
+    ],
+)
+def test_bad_tools_name_reason_and_key(record, reason, key):
+    with pytest.raises(RecordError) as raised:
+        parse_record(record)
+    assert reason in raised.value.reason and raised.value.key == key
+
+
+def test_tool_calls_stay_verbatim_and_only_answers_are_regenerated():
+    messages = [
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "w"}}]},
+        {"role": "tool", "content": "3 C"},
+        {"role": "assistant", "content": "3 degrees."},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "log"}}]},
+    ]
+    conversation = parse_record({"messages": messages, "tools": [WEATHER_TOOL]})
+    every = to_sample(conversation, source="f:1", regenerate="all")
+    assert [(m.role, m.is_slot, m.tool_calls is not None) for m in every.messages] == [
+        ("user", False, False), ("assistant", False, True), ("tool", False, False), ("assistant", True, False),
+        ("user", False, False), ("assistant", True, False),  # a closing tool call is regenerated
+    ]
+    assert every.tools == conversation.tools and every.num_turns == 2
+    last = to_sample(conversation, source="f:1", regenerate="last")
+    assert last.messages[1].tool_calls is not None and last.messages[-1].role == "user"
+    without_tools = to_sample(parse_record({"messages": messages}), source="f:1", regenerate="all")
+    assert without_tools.id != every.id  # the tools are part of what is regenerated from
+    assert Sample.from_json(json.loads(json.dumps(every.to_json()))) == every

@@ -191,3 +191,40 @@ def test_a_generate_worker_refuses_a_policy_its_template_cannot_honour(make_conf
     with pytest.raises(RuntimeError, match="generate worker exited") as failed:
         start_worker(config, "generate")
     assert "dataset.thinking = 'never' cannot be honoured" in str(failed.value)
+
+
+TOOL_USE = REPO / "examples" / "tool_use_sample.jsonl"
+
+
+@pytest.mark.parametrize("regenerate", ["last", "all"])
+def test_tool_conversations_keep_their_calls_results_and_tool_schemas(make_config, tiny_model, regenerate):
+    """The records' `tools` reach the template (its tools block is in every prompt); assistant turns that call
+    tools stay verbatim with their results, and only the answers are regenerated."""
+    from transformers import AutoTokenizer
+
+    config = make_config(dataset={"regenerate": regenerate, "thinking": "never"},
+                         **{"generate.sampling": {"max_tokens": 8}})
+    samples = [apply_thinking_policy(s, "never") for s in read_dataset([TOOL_USE], max_record_bytes=1 << 20,
+                                                                      regenerate=regenerate)]
+    assert len(samples) == 2 and all(isinstance(s, Sample) and s.tools for s in samples)
+    storage, shard_id = stage(config, samples)
+    GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    for sample in samples:
+        record = records[sample.id]
+        text = tokenizer.decode(record.input_ids)
+        assert "# Tools" in text and "<tools>" in text  # the template's tools block
+        for tool in sample.tool_list():
+            name = tool.get("function", tool)["name"]
+            assert f'"name": "{name}"' in text  # the schema, and the call below, name the tool
+        assert text.count("<tool_call>") >= 2 and "<tool_response>" in text  # the call kept, with its result
+        first = split_turns(sample)[0]
+        rendered = tokenizer.apply_chat_template(
+            [m.to_json() for m in first], tools=sample.tool_list(), add_generation_prompt=True, tokenize=False,
+            enable_thinking=False,
+        )
+        assert record.input_ids[: len(tokenizer(rendered, add_special_tokens=False)["input_ids"])] == \
+            tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        regenerated = sum(1 for m in sample.messages if m.is_slot) if regenerate == "all" else 1
+        assert len(record.earlier_turns) + 1 == regenerated
