@@ -22,9 +22,16 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 @click.command()
 @shards_argument
 @click.option(
-    "-f", "--format", "format_name", required=True, type=click.Choice(["specforge", "speculators"]),
-    help="specforge: data_N.ckpt (torch.save, K layers concatenated); speculators: hs_N.safetensors [T, K, H].",
+    "-f", "--format", "format_name", required=True,
+    type=click.Choice(["specforge", "speculators", "messages", "parquet"]),
+    help="specforge: data_N.ckpt (torch.save, K layers concatenated); speculators: hs_N.safetensors [T, K, H]; "
+    "messages: the regenerated conversations as OpenAI-messages JSONL; parquet: the same as a Parquet table "
+    "(for these two, SHARDS is the run's storage and -c or --tokenizer decodes the replies).",
 )
+@click.option("-c", "--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="messages / parquet: the deployment config whose tokenizer decodes the replies.")
+@click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, path_type=Path),
+              help="messages / parquet: the target's tokenizer directory (wins over the config's).")
 @click.argument("out", metavar="OUT")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True,
               help="dtype of the exported hidden states (fp8 shards are dequantised to it).")
@@ -36,6 +43,8 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 def export(
     shards: str,
     format_name: str,
+    config_path: Path | None,
+    tokenizer_path: Path | None,
     out: str,
     dtype: str,
     finish_reasons: tuple[str, ...],
@@ -43,13 +52,17 @@ def export(
     drop_flagged: bool,
 ) -> None:
     """Write every sample of SHARDS (a shard, a directory or a storage URL) to OUT, one file per sample, in
-    the layout of SpecForge or vLLM speculators, with layer ids converted to the target's convention."""
+    the layout of SpecForge or vLLM speculators, with layer ids converted to the target's convention; or the
+    regenerated conversations of a run's storage (SHARDS) as OpenAI-messages JSONL or Parquet."""
     from dflash_queue.exports import FORMATS, export_dataset
     from dflash_queue.exports.runner import hidden_dtype_named
     from dflash_queue.storage import open_storage
     from dflash_queue.training import ShardDataset
 
     console = Console(stderr=True)
+    if format_name in ("messages", "parquet"):
+        _export_conversations(shards, format_name, out, _tokenizer(config_path, tokenizer_path), console)
+        return
     try:
         with warnings.catch_warnings():  # bad shards are listed in the report below
             warnings.simplefilter("ignore", UserWarning)
@@ -128,6 +141,30 @@ def inspect(
         _print_report(report, preview, num_tokens)
     if not report.ok:
         sys.exit(1)
+
+
+def _export_conversations(root: str, format_name: str, out: str, tokenizer: Any, console: Console) -> None:
+    from dflash_queue.exports.conversations import export_conversations
+    from dflash_queue.storage import open_storage
+    from dflash_queue.storage.keys import COMPLETIONS
+
+    if tokenizer is None:
+        raise click.UsageError(f"--format {format_name} decodes the replies: give -c CONFIG or --tokenizer")
+    try:
+        storage = open_storage(root if "://" in root else str(Path(root).resolve()))
+        shards = sum(1 for _ in storage.list(COMPLETIONS + "/"))
+        if not shards:
+            raise click.ClickException(f"{root}: no completions shards (is it a run's storage root?)")
+        target = open_storage(str(Path(out).resolve()) if "://" not in out else out)
+        with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task("shards", total=shards)
+            report = export_conversations(
+                storage, target, tokenizer, format_name, on_shard=lambda n: bar.advance(task, n)
+            )
+    except (ShardFormatError, StorageError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in report.lines():
+        click.echo(line)
 
 
 def _tokenizer(config_path: Path | None, tokenizer_path: Path | None) -> Any:
