@@ -171,6 +171,12 @@ class DatasetConfig(_Section):
     # "last": regenerate the last assistant turn from the conversation before it (earlier ones stay as context);
     # "all": regenerate every assistant turn in order, each conditioned on the regenerated history.
     regenerate: Literal["last", "all"] = "last"
+    # With regenerate = "all", the history each later turn is generated from. "as-served": the chat template's
+    # rendering of the conversation so far, the regenerated replies as messages (what a serving stack sends;
+    # reasoning stripped where the template strips it), one training sequence per turn where a reply is not in
+    # the final prompt as generated. "as-generated": the exact ids generated so far plus the template's
+    # continuation (earlier reasoning kept), one sequence.
+    history: Literal["as-served", "as-generated"] = "as-served"
     # A record (JSONL line, array element, Parquet row) larger than this is reported and skipped.
     max_record_bytes: PositiveInt = 4 * 1024 * 1024
     # Skip prompts whose chat-templated token count leaves less than `generation_budget` tokens inside

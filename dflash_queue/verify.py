@@ -81,15 +81,18 @@ def expected_shards(config: Config, datasets: Iterable[str | Path], report: Veri
 
 
 def shard_contents(storage: Storage, key: str) -> tuple[list[str], list[int], list[str]]:
-    """(sample ids, indices of flagged samples, ids dropped by the quality gate) from a shard's header."""
+    """(sample ids, indices of flagged samples, ids dropped by the quality gate) from a shard's header. A sample
+    stored as one sequence per turn has several rows: it is one sample."""
     source = open_source(storage, key)
     try:
         meta = read_layout(source).metadata
     finally:
         source.close()
-    ids = json.loads(meta.get("sample_ids", "[]"))
+    rows = json.loads(meta.get("sample_ids", "[]"))
     quality = json.loads(meta.get("quality", "[]"))
-    flagged = [i for i, entry in enumerate(quality) if entry.get("flags")]
+    first_rows = {sample_id: row for row, sample_id in reversed(list(enumerate(rows)))}
+    ids = list(first_rows)
+    flagged = [row for row in first_rows.values() if row < len(quality) and quality[row].get("flags")]
     dropped = [entry["id"] for entry in json.loads(meta.get("dropped", "[]"))]
     return ids, flagged, dropped
 

@@ -38,7 +38,7 @@ def completion_rows(records: Iterable[CompletionRecord]) -> Iterator[SampleRow]:
             tokens=record.num_tokens,
             generated=record.generated_tokens,
             answer_tokens=verdict.answer_tokens if verdict else None,
-            truncated=record.finish_reason == "length" or any(t.finish_reason == "length" for t in record.earlier_turns),
+            truncated="length" in record.turn_finish_reasons(),
             thinking=verdict.thinking if verdict else "unknown",
             flags=verdict.flags if verdict else (),
             decision=verdict.decision if verdict else "keep",

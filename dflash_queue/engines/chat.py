@@ -116,6 +116,15 @@ class ChatFormatter:
         if not check.ok:
             raise ConfigError(f"{source}: invalid configuration\n  dataset.thinking: {check.message}")
 
+    def reply_message(self, ids: Sequence[int], start: int, end: int) -> Message:
+        """The assistant message of the generated ids[start:end], as a client would send it back: the answer as
+        `content`, the reasoning (split at `</think>`, also when the prompt opened the block) as `reasoning`."""
+        before = self.tokenizer.decode(list(ids[max(0, start - 16) : start]), skip_special_tokens=False)
+        opened = before.rfind(THINK_OPEN) > before.rfind(THINK_CLOSE)
+        text = self.tokenizer.decode(list(ids[start:end]), skip_special_tokens=True)
+        reasoning, content = split_reply(text, opened=opened)
+        return Message("assistant", content, reasoning)
+
     def encode(self, text: str) -> list[int]:
         # The template already wrote every special token; adding BOS/EOS again would change the prompt.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -188,3 +197,14 @@ class ChatFormatter:
 
 def _tool_list(tools: str | None) -> list | None:
     return json.loads(tools) if tools is not None else None
+
+
+def split_reply(text: str, *, opened: bool) -> tuple[str | None, str]:
+    """(reasoning, answer) of a generated reply; `opened`: the prompt ended inside an open thinking block."""
+    full = (THINK_OPEN + text) if opened else text
+    if THINK_CLOSE in full:
+        before, _, after = full.rpartition(THINK_CLOSE)
+        return before.split(THINK_OPEN, 1)[-1].strip("\n"), after.lstrip("\n")
+    if THINK_OPEN in full:  # thinking that never closed: no answer
+        return full.split(THINK_OPEN, 1)[-1].strip("\n"), ""
+    return None, full

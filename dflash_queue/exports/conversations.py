@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from dflash_queue.data.samples import Sample
+from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.shards.completions import CompletionRecord, decode_completions
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage.base import Storage
 from dflash_queue.storage.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 FILES = {"messages": "conversations.jsonl", "parquet": "conversations.parquet"}
 
 
@@ -50,38 +50,13 @@ class ConversationReport:
         ]
 
 
-def split_reply(text: str, *, opened: bool) -> tuple[str | None, str]:
-    """(reasoning, answer) of a generated reply; `opened`: the prompt ended inside an open thinking block."""
-    full = (THINK_OPEN + text) if opened else text
-    if THINK_CLOSE in full:
-        before, _, after = full.rpartition(THINK_CLOSE)
-        return before.split(THINK_OPEN, 1)[-1].strip("\n"), after.lstrip("\n")
-    if THINK_OPEN in full:  # thinking that never closed: no answer
-        return full.split(THINK_OPEN, 1)[-1].strip("\n"), ""
-    return None, full
-
-
-class ReplyDecoder:
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def reply(self, ids: list[int], start: int, end: int) -> dict[str, Any]:
-        """The assistant message of the generated ids[start:end]."""
-        before = self.tokenizer.decode(ids[max(0, start - 16) : start], skip_special_tokens=False)
-        opened = before.rfind(THINK_OPEN) > before.rfind(THINK_CLOSE)
-        text = self.tokenizer.decode(ids[start:end], skip_special_tokens=True)
-        reasoning, content = split_reply(text, opened=opened)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        return message
-
-
-def conversation(sample: Sample, record: CompletionRecord, decoder: ReplyDecoder) -> dict[str, Any]:
+def conversation(sample: Sample, record: CompletionRecord, formatter: ChatFormatter) -> dict[str, Any]:
     """The sample's conversation with each regenerated turn filled in, in order."""
-    ids = record.input_ids
-    spans = [(t.start, t.end, t.finish_reason) for t in record.earlier_turns]
-    spans.append((len(record.prompt_ids), len(ids), record.finish_reason))
+    # (ids, start, end, finish reason) of every generated turn, in order.
+    spans = [(t.prompt_ids + t.completion_ids, len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids),
+              t.finish_reason) for t in record.served_turns]
+    spans += [(record.input_ids, t.start, t.end, t.finish_reason) for t in record.earlier_turns]
+    spans.append((record.input_ids, len(record.prompt_ids), len(record.input_ids), record.finish_reason))
     replies = iter(spans)
     messages: list[dict[str, Any]] = []
     finish_reasons: list[str] = []
@@ -93,13 +68,13 @@ def conversation(sample: Sample, record: CompletionRecord, decoder: ReplyDecoder
             if span is None:
                 stopped = True
                 break
-            messages.append(decoder.reply(ids, span[0], span[1]))
-            finish_reasons.append(span[2])
+            messages.append(formatter.reply_message(span[0], span[1], span[2]).to_json())
+            finish_reasons.append(span[3])
         else:
             messages.append(message.to_json())
     if sample.regenerate == "last":
-        start, end, reason = spans[-1]
-        messages.append(decoder.reply(ids, start, end))
+        ids, start, end, reason = spans[-1]
+        messages.append(formatter.reply_message(ids, start, end).to_json())
         finish_reasons.append(reason)
     quality = record.quality
     return {
@@ -117,12 +92,12 @@ def conversation(sample: Sample, record: CompletionRecord, decoder: ReplyDecoder
 
 def iter_conversations(storage: Storage, tokenizer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     """(shard id, its conversations), shard by shard in key order."""
-    decoder = ReplyDecoder(tokenizer)
+    formatter = ChatFormatter(tokenizer)
     for key in sorted(storage.list(COMPLETIONS + "/")):
         shard_id = shard_id_of(key)
         records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=key)}
         samples = decode_prompts(storage.read_bytes(prompts_key(shard_id)), what=prompts_key(shard_id))
-        yield shard_id, [conversation(s, records[s.id], decoder) for s in samples if s.id in records]
+        yield shard_id, [conversation(s, records[s.id], formatter) for s in samples if s.id in records]
 
 
 def export_conversations(

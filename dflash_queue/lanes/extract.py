@@ -116,41 +116,49 @@ class ExtractLane:
         # Samples the quality gate dropped are accounted for in the shard's metadata, never extracted.
         kept = [r for r in records if r.kept]
         dropped = [(r.id, r.quality) for r in records if not r.kept]
-        requests = [ExtractionRequest(r.id, r.input_ids) for r in kept]
+        # A sample stored as one sequence per turn is several requests of the same id.
+        sequences = [(record, sequence) for record in kept for sequence in record.training_sequences()]
+        requests = [ExtractionRequest(record.id, sequence.input_ids) for record, sequence in sequences]
         with self._compute_slot(shard_id):
             isolated = run_isolating(requests, self._capture, [r.sample_id for r in requests])
-            canary = self._check_canaries(shard_id, requests, isolated.results, isolated.ok)
+            poisoned_ids = {requests[i].sample_id for i, _ in isolated.poisoned}
+            ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # a sample is whole or dead
+            canary = self._check_canaries(shard_id, requests, isolated.results, ok)
         check_plausible(
-            [requests[i].sample_id for i in isolated.ok],
-            [isolated.results[i].summary for i in isolated.ok],  # type: ignore[union-attr]
+            [requests[i].sample_id for i in ok],
+            [isolated.results[i].summary for i in ok],  # type: ignore[union-attr]
             self.layer_names,
             self.config.extract.rms_outlier_factor,
         )
         samples = [
             ExtractedSample(
-                id=kept[i].id,
-                input_ids=torch.tensor(requests[i].input_ids, dtype=torch.int32),
-                loss_mask=torch.tensor(kept[i].loss_mask(), dtype=torch.uint8),
+                id=sequences[i][0].id,
+                input_ids=torch.tensor(sequences[i][1].input_ids, dtype=torch.int32),
+                loss_mask=torch.tensor(sequences[i][1].loss_mask, dtype=torch.uint8),
                 hidden_states=isolated.results[i].states,  # type: ignore[union-attr]
-                finish_reason=kept[i].finish_reason,
-                thinking=kept[i].thinking,
-                quality=kept[i].quality,
+                finish_reason=sequences[i][1].finish_reason,
+                thinking=sequences[i][0].thinking,
+                quality=sequences[i][0].quality,
+                turn=sequences[i][1].turn,
             )
-            for i in isolated.ok
+            for i in ok
         ]
-        poisoned = tuple((requests[i].sample_id, exc) for i, exc in isolated.poisoned)
-        dead = [i for i, _ in poisoned]
+        first_errors: dict[str, BaseException] = {}
+        for i, exc in isolated.poisoned:
+            first_errors.setdefault(requests[i].sample_id, exc)
+        poisoned = tuple(first_errors.items())
+        dead = list(first_errors)
         if not records:
             # Every sample of the shard was dead-lettered by the generate lane: the shard records them.
             dead = [s.id for s in decode_prompts(self.storage.read_bytes(prompts_key(shard_id)), what=shard_id)]
-        num_tokens = sum(len(requests[i].input_ids) for i in isolated.ok)
+        num_tokens = sum(len(requests[i].input_ids) for i in ok)
         del isolated
         with self.uploader.stage(shard_id) as staged:
             write_training_shard(
                 staged.path, samples, self.info, dropped=dropped, dead=dead, canary=canary  # type: ignore[arg-type]
             )
             size = staged.path.stat().st_size
-            num_samples = len(samples)
+            num_samples = len({sample.id for sample in samples})
             del samples
             stored = self.uploader.upload(staged, out_key)
         stored.result()

@@ -67,9 +67,7 @@ def summarize(
         prompt_tokens=sum(r.num_tokens for r in records) - generated,
         completion_tokens=generated,
         # Every generated turn's, not only each sample's last turn's.
-        finish_reasons=dict(
-            Counter(r.finish_reason for r in records) + Counter(t.finish_reason for r in records for t in r.earlier_turns)
-        ),
+        finish_reasons=dict(Counter(reason for r in records for reason in r.turn_finish_reasons())),
         skipped=skipped,
         kept=sum(1 for r in records if r.kept),
         gate=gate.as_dict(),
@@ -93,6 +91,7 @@ class GenerateLane:
             max_tokens=config.generate.sampling.max_tokens,
             retry_max_tokens=config.retry_max_tokens,
             max_model_len=config.max_model_len(),
+            history=config.dataset.history,
         )
 
     def run(self, shard_id: str, *, redo: bool = False) -> GenerateSummary:

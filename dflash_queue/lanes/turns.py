@@ -1,10 +1,18 @@
 """Generating the assistant turns of a shard, judged by the quality gate as they come.
 
 Round k generates turn k of every sample that has one, in one engine call. By default a sample has one turn
-(one round). When every assistant turn is regenerated, turn k+1 is conditioned on exactly the ids of the
-turns before it: the next prompt is the current sequence plus the continuation the chat template writes
-after an assistant turn (next user/tool turns, next generation prompt), never a re-rendered copy. So the
-final sequence is exactly what was generated, and the extract lane prefills exactly those ids.
+(one round). When every assistant turn is regenerated (`dataset.regenerate = "all"`), the history of turn k+1
+is, by `dataset.history`:
+
+* "as-served" (default): what a serving stack sends. Each reply becomes an assistant message (the answer as
+  content, the reasoning as `reasoning_content`) and the next prompt is the chat template's rendering of the
+  conversation so far, so a template that strips earlier reasoning strips it here too. When every earlier reply
+  appears in the final prompt exactly as generated, the sample is one training sequence with every reply in the
+  loss mask; otherwise each turn is its own training sequence (its prompt as served, its reply), so that no
+  trained token sits in a context the model did not see (`CompletionRecord.served_turns`);
+* "as-generated": the current sequence plus the continuation the template writes after an assistant turn
+  (next user/tool turns, next generation prompt), never a re-rendered copy: one sequence holding every turn's
+  exact ids, reasoning included.
 
 A turn the gate sends back is generated once more in the same round with the retry budget; a dropped sample
 stops there and is recorded with its verdict.
@@ -19,7 +27,7 @@ from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerateEngine, Generation, GenerationRequest
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.quality.gate import DROP, RETRY, QualityGate, TurnVerdict, Verdict
-from dflash_queue.shards.completions import CompletionRecord, TurnSpan
+from dflash_queue.shards.completions import CompletionRecord, ServedTurn, TurnSpan
 
 
 def split_turns(sample: Sample) -> tuple[tuple[Message, ...], list[tuple[Message, ...]]]:
@@ -47,6 +55,9 @@ class _Conversation:
     verdicts: list[TurnVerdict] = field(default_factory=list)
     last: Generation | None = None
     dropped: bool = False
+    # As served: the conversation so far as messages, and (prompt, reply, finish reason) of every turn.
+    history: list[Message] = field(default_factory=list)
+    served: list[ServedTurn] = field(default_factory=list)
 
     @property
     def turns_done(self) -> int:
@@ -67,7 +78,11 @@ class TurnGenerator:
         max_tokens: int,
         retry_max_tokens: int,
         max_model_len: int,
+        history: str = "as-served",
     ) -> None:
+        if history not in ("as-served", "as-generated"):
+            raise ValueError(f"history must be 'as-served' or 'as-generated', got {history!r}")
+        self.history = history
         self.engine = engine
         self.formatter = formatter
         self.gate = gate
@@ -84,7 +99,7 @@ class TurnGenerator:
     def _start(self, sample: Sample) -> _Conversation:
         first, between = split_turns(sample)
         ids = self.formatter.prompt_ids(first, enable_thinking=sample.thinking, tools=sample.tools)
-        return _Conversation(sample, between, ids, self._turn_start(ids, sample.thinking))
+        return _Conversation(sample, between, ids, self._turn_start(ids, sample.thinking), history=list(first))
 
     def _turn_start(self, ids: list[int], thinking: bool) -> int:
         """Where the generation prompt that opens the current turn begins (the turn is judged from there)."""
@@ -129,6 +144,7 @@ class TurnGenerator:
 
     def _finish_turn(self, c: _Conversation, g: Generation, verdict: TurnVerdict) -> None:
         c.completion_start = len(c.ids)
+        c.served.append(ServedTurn(list(c.ids), list(g.completion_ids), g.finish_reason))
         c.ids.extend(g.completion_ids)
         c.verdicts.append(verdict)
         c.last = g
@@ -136,6 +152,12 @@ class TurnGenerator:
             c.dropped = True
             return
         if not c.active:
+            return
+        if self.history == "as-served":
+            reply = self.formatter.reply_message(c.ids, c.completion_start, len(c.ids))
+            c.history += [reply, *c.between[c.turns_done - 1]]
+            c.ids = self.formatter.prompt_ids(c.history, enable_thinking=c.sample.thinking, tools=c.sample.tools)
+            c.turn_start = self._turn_start(c.ids, c.sample.thinking)
             return
         c.spans.append(TurnSpan(c.completion_start, len(c.ids), g.finish_reason))
         last_token = g.completion_ids[-1] if g.finish_reason == "stop" and g.completion_ids else None
@@ -151,15 +173,29 @@ class TurnGenerator:
 
     def _record(self, c: _Conversation) -> CompletionRecord:
         assert c.last is not None
+        prompt = c.ids[: c.completion_start]
+        spans, served = tuple(c.spans), ()
+        if self.history == "as-served" and len(c.served) > 1:
+            earlier = c.served[:-1]
+            if all(prompt[: len(t.prompt_ids) + len(t.completion_ids)] == t.prompt_ids + t.completion_ids
+                   for t in earlier):
+                # Every earlier reply sits in the final prompt as generated, after the context it was generated in.
+                spans = tuple(
+                    TurnSpan(len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids), t.finish_reason)
+                    for t in earlier
+                )
+            else:
+                served = tuple(earlier)
         return CompletionRecord(
             id=c.sample.id,
-            prompt_ids=c.ids[: c.completion_start],
+            prompt_ids=prompt,
             completion_ids=c.ids[c.completion_start :],
             finish_reason=c.last.finish_reason,
             # What the prompt did, as the template decides (a thinking-first template thinks whatever was asked).
             thinking=self.formatter.effective_thinking(c.sample.thinking),
             text=c.last.text,
             source=c.sample.source,
-            earlier_turns=tuple(c.spans),
+            earlier_turns=spans,
             quality=Verdict.combine(c.verdicts),
+            served_turns=served,
         )

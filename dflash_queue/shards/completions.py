@@ -4,6 +4,12 @@ One record per sample, dropped ones included (their verdict says so), so that ev
 accounted for. The sequence to train on is `input_ids` = prompt_ids + completion_ids; `loss_mask()` is 1 on
 every generated token: the completion, and, when every assistant turn was regenerated, the earlier generated
 turns inside prompt_ids (`earlier_turns`).
+
+When the template renders an earlier reply differently from how it was generated (it strips the reasoning of
+earlier turns, as Qwen3-style templates do), no single sequence holds every reply as the model produced it in
+the context it saw: each earlier turn is then its own training sequence (`served_turns`: that turn's prompt as
+the template rendered it, and its reply), and the main sequence trains on the last turn only.
+`training_sequences()` lists them all.
 """
 
 from __future__ import annotations
@@ -34,6 +40,31 @@ class TurnSpan:
 
 
 @dataclass(frozen=True)
+class ServedTurn:
+    """An earlier generated turn kept as its own training sequence: its prompt as served, and its reply."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    finish_reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_ids": self.prompt_ids, "completion_ids": self.completion_ids, "finish_reason": self.finish_reason}
+
+    @classmethod
+    def from_json(cls, row: dict[str, Any]) -> ServedTurn:
+        return cls([int(t) for t in row["prompt_ids"]], [int(t) for t in row["completion_ids"]], str(row["finish_reason"]))
+
+
+@dataclass(frozen=True)
+class TrainingSequence:
+    input_ids: list[int]
+    loss_mask: list[int]
+    finish_reason: str
+    # The regenerated turn this sequence ends with, when a sample is stored as one sequence per turn.
+    turn: int | None = None
+
+
+@dataclass(frozen=True)
 class CompletionRecord:
     id: str
     prompt_ids: list[int]
@@ -44,10 +75,13 @@ class CompletionRecord:
     source: str = ""
     earlier_turns: tuple[TurnSpan, ...] = ()
     quality: Verdict | None = None
+    served_turns: tuple[ServedTurn, ...] = ()
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.completion_ids)
+        """Tokens of every training sequence."""
+        served = sum(len(t.prompt_ids) + len(t.completion_ids) for t in self.served_turns)
+        return len(self.prompt_ids) + len(self.completion_ids) + served
 
     @property
     def input_ids(self) -> list[int]:
@@ -60,13 +94,34 @@ class CompletionRecord:
 
     @property
     def generated_tokens(self) -> int:
-        return len(self.completion_ids) + sum(t.end - t.start for t in self.earlier_turns)
+        earlier = sum(t.end - t.start for t in self.earlier_turns) + sum(len(t.completion_ids) for t in self.served_turns)
+        return len(self.completion_ids) + earlier
+
+    def turn_finish_reasons(self) -> list[str]:
+        """The finish reason of every generated turn, in order."""
+        earlier = [t.finish_reason for t in self.served_turns] + [t.finish_reason for t in self.earlier_turns]
+        return [*earlier, self.finish_reason]
 
     def loss_mask(self) -> list[int]:
         mask = [0] * len(self.prompt_ids) + [1] * len(self.completion_ids)
         for turn in self.earlier_turns:
             mask[turn.start : turn.end] = [1] * (turn.end - turn.start)
         return mask
+
+    def training_sequences(self) -> list[TrainingSequence]:
+        """What the extract lane prefills: each served turn on its own, then the main sequence."""
+        sequences = [
+            TrainingSequence(
+                t.prompt_ids + t.completion_ids,
+                [0] * len(t.prompt_ids) + [1] * len(t.completion_ids),
+                t.finish_reason,
+                turn,
+            )
+            for turn, t in enumerate(self.served_turns)
+        ]
+        last = len(self.served_turns) if self.served_turns else None
+        sequences.append(TrainingSequence(self.input_ids, self.loss_mask(), self.finish_reason, last))
+        return sequences
 
     def to_json(self) -> dict[str, Any]:
         row: dict[str, Any] = {
@@ -82,6 +137,8 @@ class CompletionRecord:
             row["turns"] = [t.to_json() for t in self.earlier_turns]
         if self.quality is not None:
             row["quality"] = self.quality.to_json()
+        if self.served_turns:
+            row["served_turns"] = [t.to_json() for t in self.served_turns]
         return row
 
     @classmethod
@@ -97,6 +154,7 @@ class CompletionRecord:
                 source=row.get("source", ""),
                 earlier_turns=tuple(TurnSpan.from_json(t) for t in row.get("turns", ())),
                 quality=Verdict.from_json(row["quality"]) if row.get("quality") is not None else None,
+                served_turns=tuple(ServedTurn.from_json(t) for t in row.get("served_turns", ())),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ShardFormatError(f"completion record {row.get('id', '?')}: {exc!r}") from None

@@ -25,7 +25,9 @@ from dflash_queue.shards.training import DECODER_OUTPUT, FORMAT, LAYER_STATES
 STORED_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FP8_NAME: "F8_E4M3"}
 # The quality gate's per-sample verdicts: a JSON list of objects, each with a `flags` list of strings.
 QUALITY_VERDICTS_KEY = "quality"
-PER_SAMPLE_KEYS = ("sample_ids", "finish_reasons", "thinking", QUALITY_VERDICTS_KEY, "dropped", "dead_lettered")
+PER_SAMPLE_KEYS = (
+    "sample_ids", "finish_reasons", "thinking", QUALITY_VERDICTS_KEY, "dropped", "dead_lettered", "sample_turns"
+)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Metadata (all strings, JSON where structured) says what the tensors mean: target
 convention, what each captured entry is (`layer_states`: "decoder_output", the residual stream after decoder
 layer i before any norm, or "final_norm", the last layer after the model's final norm, which is Transformers'
 last `hidden_states` entry), how the states were computed (`extraction`: "packed" or "padded") and the canary's
-check of them (`canary`: samples recomputed alone and their relative error per layer), dtype, sample ids,
+check of them (`canary`: samples recomputed alone and their relative error per layer), dtype, sample ids (a
+sample stored as one sequence per regenerated turn has one row per turn, and `sample_turns` says which),
 finish reasons, versions, and the quality gate's word per sample (`quality`:
 flags, answer tokens, thinking state, so that training can filter flagged samples) and on the samples it
 dropped (`dropped`: id and failed checks; they are not in the tensors). A shard whose samples were all dropped
@@ -56,6 +57,8 @@ class ExtractedSample:
     finish_reason: str
     thinking: bool
     quality: Verdict | None = None
+    # When a sample is stored as one sequence per regenerated turn: the turn this sequence ends with.
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -162,6 +165,9 @@ def write_training_shard(
     metadata["quality"] = json.dumps([quality_entry(s.quality) for s in samples])
     metadata["dropped"] = json.dumps([{"id": i, "flags": list(v.flags)} for i, v in dropped])
     metadata["dead_lettered"] = json.dumps(list(dead))
+    if any(s.turn is not None for s in samples):
+        # Rows of one sample, one per regenerated turn (the sample id repeats): the turn each row ends with.
+        metadata["sample_turns"] = json.dumps([s.turn for s in samples])
     if canary is not None:
         metadata["canary"] = json.dumps(canary)
     save_file(tensors, str(path), metadata=metadata)
@@ -237,5 +243,5 @@ class TrainingShard:
         return (running[self.offsets[1:]] - running[self.offsets[:-1]]).tolist()
 
     def info(self) -> dict[str, Any]:
-        per_sample = {"sample_ids", "finish_reasons", "thinking", "quality", "dropped"}
+        per_sample = {"sample_ids", "finish_reasons", "thinking", "quality", "dropped", "sample_turns"}
         return {key: value for key, value in self.metadata.items() if key not in per_sample}

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.exports.conversations import split_reply
+from dflash_queue.engines.chat import split_reply
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
@@ -68,7 +68,7 @@ def test_conversations_export_as_messages_and_parquet(make_config, tiny_model, t
 
     jsonl = cli("export", storage.url, "--format", "messages", str(tmp_path / "m"), "-c", str(config.source))
     assert jsonl.returncode == 0, jsonl.stderr[-3000:]
-    assert f"exported:    12 conversations from 2 shards as messages in" in jsonl.stdout
+    assert "exported:    12 conversations from 2 shards as messages in" in jsonl.stdout
     parquet = cli("export", storage.url, "--format", "parquet", str(tmp_path / "p"), "--tokenizer", str(tiny_model))
     assert parquet.returncode == 0, parquet.stderr[-3000:]
 
@@ -80,8 +80,12 @@ def test_conversations_export_as_messages_and_parquet(make_config, tiny_model, t
         sample, record = by_id[row["id"]], records[row["id"]]
         assert flat["id"] == row["id"] and flat["finish_reasons"] == row["finish_reasons"]
         assert row["thinking"] == record.thinking and row["quality"]["decision"] == record.quality.decision
-        spans = [(t.start, t.end) for t in record.earlier_turns] + [(len(record.prompt_ids), len(record.input_ids))]
-        assert row["finish_reasons"] == [t.finish_reason for t in record.earlier_turns] + [record.finish_reason]
+        # Every generated turn as (ids, start, end): served turn by turn, or spans of the one sequence.
+        spans = [(t.prompt_ids + t.completion_ids, len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids))
+                 for t in record.served_turns]
+        spans += [(record.input_ids, t.start, t.end) for t in record.earlier_turns]
+        spans.append((record.input_ids, len(record.prompt_ids), len(record.input_ids)))
+        assert row["finish_reasons"] == record.turn_finish_reasons()
         if regenerate == "last":  # the prompt as it was, then the reply
             exported_given, replies = row["messages"][:-1], row["messages"][-1:]
         else:  # the turns given, with a reply where each slot was
@@ -94,8 +98,8 @@ def test_conversations_export_as_messages_and_parquet(make_config, tiny_model, t
             assert json.loads(flat["tools"]) == sample.tool_list()
             assert any(m["tool_calls"] for m in flat["messages"])  # the call kept, as JSON text
         assert all(r["role"] == "assistant" for r in replies)
-        for reply, (start, end) in zip(replies, spans, strict=True):
-            generated = tokenizer.decode(record.input_ids[start:end], skip_special_tokens=True)
+        for reply, (ids, start, end) in zip(replies, spans, strict=True):
+            generated = tokenizer.decode(ids[start:end], skip_special_tokens=True)
             joined = (reply.get("reasoning_content") or "") + reply["content"]
             assert letters(joined) == letters(generated)
         assert [m["content"] for m in flat["messages"]] == [m["content"] for m in row["messages"]]

@@ -39,7 +39,8 @@ def example_samples(regenerate: str, thinking: str, count: int, *, multi_turn_on
 
 
 def test_every_assistant_turn_regenerated_on_the_exact_ids(make_config):
-    config = make_config(dataset={"regenerate": "all", "thinking": "never"}, **{"generate.sampling": {"max_tokens": 12}})
+    config = make_config(dataset={"regenerate": "all", "thinking": "never", "history": "as-generated"},
+                         **{"generate.sampling": {"max_tokens": 12}})
     samples = example_samples("all", "never", 4, multi_turn_only=True)
     assert sum(s.num_turns for s in samples) > len(samples)
     storage, shard_id = stage(config, samples)
@@ -224,7 +225,145 @@ def test_tool_conversations_keep_their_calls_results_and_tool_schemas(make_confi
             [m.to_json() for m in first], tools=sample.tool_list(), add_generation_prompt=True, tokenize=False,
             enable_thinking=False,
         )
-        assert record.input_ids[: len(tokenizer(rendered, add_special_tokens=False)["input_ids"])] == \
-            tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        first_ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        first_sequence = record.training_sequences()[0].input_ids  # the first turn's (served turn by turn or not)
+        assert first_sequence[: len(first_ids)] == first_ids
         regenerated = sum(1 for m in sample.messages if m.is_slot) if regenerate == "all" else 1
-        assert len(record.earlier_turns) + 1 == regenerated
+        assert len(record.turn_finish_reasons()) == regenerated
+
+
+def reply_as_message(tokenizer, ids: list[int], start: int, end: int) -> dict:
+    """A generated reply as a client sends it back: the answer as content, the reasoning (up to </think>, also when
+    the prompt opened the block) as reasoning_content. Written out here, independently of the code under test."""
+    before = tokenizer.decode(ids[max(0, start - 8) : start])
+    opened = before.rfind("<think>") > before.rfind("</think>")  # the prompt ends inside an open block
+    text = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+    if opened:
+        text = "<think>" + text
+    if "</think>" in text:
+        reasoning, answer = text.rsplit("</think>", 1)
+        return {"role": "assistant", "content": answer.lstrip("\n"),
+                "reasoning_content": reasoning.replace("<think>", "", 1).strip("\n")}
+    if text.startswith("<think>"):
+        return {"role": "assistant", "content": "", "reasoning_content": text[len("<think>"):].strip("\n")}
+    return {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize("template", ["qwen3", "thinking-first"])
+@pytest.mark.parametrize("thinking", ["always", "never"])
+def test_as_served_history_is_the_templates_rendering_of_each_turn(
+    make_config, tiny_model, thinking_template_model, template, thinking
+):
+    """Each later turn is generated from the chat template's rendering of the conversation so far, the earlier
+    replies sent back as messages (a Qwen3-style template strips their reasoning): the stored ids of every turn are
+    that rendering followed by the reply, and every reply is trained in the context it was generated in."""
+    from transformers import AutoTokenizer
+
+    model = tiny_model if template == "qwen3" else thinking_template_model
+    config = make_config(model={"path": str(model)}, dataset={"regenerate": "all", "thinking": thinking},
+                         **{"generate.sampling": {"max_tokens": 10}})
+    samples = example_samples("all", thinking, 4, multi_turn_only=True)
+    storage, shard_id = stage(config, samples)
+    GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)}
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    enable = thinking == "always"
+    separate = multi = 0
+    for sample in samples:
+        record = records[sample.id]
+        first, between = split_turns(sample)
+        # Every turn as (prompt ids, reply ids): from the separate sequences, or from the spans of one sequence.
+        if record.served_turns:
+            turns = [(t.prompt_ids, t.completion_ids) for t in record.served_turns]
+            separate += 1
+        else:
+            turns = [(record.prompt_ids[: t.start], record.prompt_ids[t.start : t.end]) for t in record.earlier_turns]
+        turns.append((record.prompt_ids, record.completion_ids))
+        multi += len(turns) > 1
+        history = [m.to_json() for m in first]
+        for number, (prompt, reply) in enumerate(turns):
+            rendered = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=False,
+                                                     enable_thinking=enable)
+            assert prompt == tokenizer(rendered, add_special_tokens=False)["input_ids"], (sample.id, number)
+            if number < len(between):
+                ids = prompt + reply
+                history += [reply_as_message(tokenizer, ids, len(prompt), len(ids)),
+                            *(m.to_json() for m in between[number])]
+        # Whatever the layout, each reply is trained once, in the context it was generated in.
+        sequences = record.training_sequences()
+        trained = [s.input_ids[i] for s in sequences for i, bit in enumerate(s.loss_mask) if bit]
+        assert trained == [t for _, reply in turns for t in reply]
+        assert len(sequences) == (len(turns) if record.served_turns else 1)
+    # The Qwen3-style template re-renders an earlier reply differently when it had a think block (an empty one
+    # with thinking off, the reasoning a thinking-first prompt opened): those samples are one sequence per turn.
+    assert multi >= 2
+    if thinking == "never" or template == "thinking-first":
+        assert separate == multi
+
+
+class ScriptedEngine:
+    """Replies whose ids are the canonical tokenization of fixed text, so a re-rendered history can match them."""
+
+    name = "scripted"
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.reply = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+    def generate(self, requests):
+        from dflash_queue.engines.base import Generation
+
+        return [Generation(r.sample_id, list(r.prompt_ids), list(self.reply), "stop", "") for r in requests]
+
+    def close(self) -> None:
+        pass
+
+
+def test_as_served_replies_that_render_back_as_generated_stay_one_sequence(make_config, tiny_model_with_template):
+    """With a template that renders an earlier reply exactly as it was generated, the sample is one training
+    sequence, its loss mask on every reply."""
+    from transformers import AutoTokenizer
+
+    from dflash_queue.testing.templates import PLAIN_TEMPLATE
+
+    model = tiny_model_with_template(PLAIN_TEMPLATE, "tiny-plain")
+    config = make_config(model={"path": str(model)}, dataset={"regenerate": "all", "thinking": "never"})
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    samples = example_samples("all", "never", 3, multi_turn_only=True)
+    storage, shard_id = stage(config, samples)
+    GenerateLane(config, ScriptedEngine(tokenizer, "Fine, thanks for asking."), storage).run(shard_id)
+    for record in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id):
+        sample = next(s for s in samples if s.id == record.id)
+        assert not record.served_turns and len(record.earlier_turns) == sample.num_turns - 1
+        [sequence] = record.training_sequences()
+        trained = sum(sequence.loss_mask)
+        reply = ScriptedEngine(tokenizer, "Fine, thanks for asking.").reply
+        assert trained == len(reply) * sample.num_turns
+        for turn in record.earlier_turns:
+            assert record.prompt_ids[turn.start : turn.end] == reply
+
+
+def test_a_sample_served_turn_by_turn_is_extracted_as_one_row_per_turn_and_counted_once(make_config):
+    import json
+
+    from dflash_queue.verify import shard_contents
+
+    config = make_config(dataset={"regenerate": "all", "thinking": "never"}, extract={"layer_ids": [1, 3]},
+                         **{"generate.sampling": {"max_tokens": 8}})
+    samples = example_samples("all", "never", 3, multi_turn_only=True)
+    storage, shard_id = stage(config, samples)
+    GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
+    expected = [(r.id, s) for r in records if r.kept for s in r.training_sequences()]
+    assert any(r.served_turns for r in records) and len(expected) > len(records)
+    summary = ExtractLane(config, build_extractor(config), storage).run(shard_id)
+    assert summary.num_samples == sum(1 for r in records if r.kept)
+    with storage.local_copy(shard_key(shard_id)) as path:
+        shard = TrainingShard(path)
+        turns = json.loads(shard.metadata["sample_turns"])
+        assert [(shard[i].id, turns[i]) for i in range(len(shard))] == [(i, s.turn) for i, s in expected]
+        for index, (_, sequence) in enumerate(expected):
+            row = shard[index]
+            assert row.input_ids.tolist() == sequence.input_ids and row.loss_mask.tolist() == sequence.loss_mask
+            assert row.finish_reason == sequence.finish_reason
+    ids, _, _ = shard_contents(storage, shard_key(shard_id))
+    assert sorted(ids) == sorted(r.id for r in records if r.kept)  # verify counts each sample once
