@@ -46,16 +46,20 @@ def completion_rows(records: Iterable[CompletionRecord]) -> Iterator[SampleRow]:
 
 
 def shard_rows(shard: TrainingShard) -> Iterator[SampleRow]:
+    """One row per sample: the rows of a sample stored one sequence per turn are added up."""
     sums = shard.loss_mask_sums()
     lengths = (shard.offsets[1:] - shard.offsets[:-1]).tolist()
     has_verdicts = "quality" in shard.metadata
-    for index in range(len(shard)):
-        quality = shard.quality[index]
+    by_sample: dict[str, list[int]] = {}
+    for index, sample_id in enumerate(shard.sample_ids):
+        by_sample.setdefault(sample_id, []).append(index)
+    for rows in by_sample.values():
+        quality = shard.quality[rows[-1]]
         yield SampleRow(
-            tokens=lengths[index],
-            generated=sums[index],
+            tokens=sum(lengths[i] for i in rows),
+            generated=sum(sums[i] for i in rows),
             answer_tokens=int(quality["answer_tokens"]) if has_verdicts else None,
-            truncated=shard.finish_reasons[index] == "length",
+            truncated=any(shard.finish_reasons[i] == "length" for i in rows),
             thinking=quality["thinking"] if has_verdicts else "unknown",
             flags=tuple(quality["flags"]),
             decision="flag" if quality["flags"] else "keep",
