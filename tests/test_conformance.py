@@ -24,11 +24,11 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import completions_key, prompts_key, shard_key
+from dflash_queue.storage.keys import completions_key, shard_key
 from dflash_queue.testing.families import FAMILIES, NUM_LAYERS
+from dflash_queue.testing.jobs import stage_samples
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 
 SAMPLE = Path(__file__).resolve().parent / ".." / "examples" / "sharegpt_sample.jsonl"
@@ -103,8 +103,7 @@ def test_stored_states_equal_each_sample_run_alone(name, hidden_dtype, tiny_fami
     config = family_config(make_config, path, name, hidden_dtype)
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:SAMPLES]
-    shard_id = prompt_shard_id(samples)
-    storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
+    shard_id = stage_samples(storage, samples)
 
     generate = GenerateLane(config, build_generate_engine(config), storage)
     generate.run(shard_id)
@@ -156,8 +155,7 @@ def test_generate_lane_replies_are_the_models_own_greedy_generation(name, tiny_f
     config = family_config(make_config, path, name, "float32")
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:4]
-    shard_id = prompt_shard_id(samples)
-    storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
+    shard_id = stage_samples(storage, samples)
     generate = GenerateLane(config, build_generate_engine(config), storage)
     generate.run(shard_id)
     generate.close()

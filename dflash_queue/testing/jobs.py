@@ -19,10 +19,18 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.training import TrainingShard
-from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import SHARDS
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
+from dflash_queue.storage import Storage, open_storage
+from dflash_queue.storage.keys import SHARDS, prompts_key
 from dflash_queue.testing.polling import wait_until
 from dflash_queue.verify import VerifyReport, verify
+
+
+def stage_samples(storage: Storage, samples: list[Sample]) -> str:
+    """Write `samples` as one prompt shard, as the producer stages it, and return its shard id."""
+    shard_id = prompt_shard_id(samples)
+    storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
+    return shard_id
 
 
 def first_lines(path: Path, count: int, out: Path) -> Path:

@@ -18,10 +18,10 @@ from dflash_queue.data.thinking import apply_thinking_policy
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import completions_key, prompts_key, shard_key
+from dflash_queue.testing.jobs import stage_samples
+from dflash_queue.storage.keys import completions_key, shard_key
 
 REPO = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = ["OK.", "Sure.", "ok", "Got it.", "N/A", "Yes.", "Done."]
@@ -103,8 +103,7 @@ def produced(make_config):
     extract = ExtractLane(config, build_extractor(config), storage)
     shard_ids = []
     for chunk in (samples[:8], samples[8:]):
-        shard_id = prompt_shard_id(chunk)
-        storage.write_bytes(prompts_key(shard_id), encode_prompts(chunk))
+        shard_id = stage_samples(storage, chunk)
         generate.run(shard_id)
         extract.run(shard_id)
         shard_ids.append(shard_id)

@@ -18,9 +18,9 @@ from dflash_queue.data.thinking import apply_thinking_policy
 from dflash_queue.engines.chat import split_reply
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import completions_key, prompts_key
+from dflash_queue.testing.jobs import stage_samples
+from dflash_queue.storage.keys import completions_key
 
 REPO = Path(__file__).resolve().parents[2]
 DATASETS = [REPO / "examples" / "sharegpt_sample.jsonl", REPO / "examples" / "tool_use_sample.jsonl"]
@@ -59,8 +59,7 @@ def test_conversations_export_as_messages_and_parquet(make_config, tiny_model, t
     lane = GenerateLane(config, build_generate_engine(config), storage)
     shard_ids = []
     for chunk in (samples[:6], samples[6:]):
-        shard_id = prompt_shard_id(chunk)
-        storage.write_bytes(prompts_key(shard_id), encode_prompts(chunk))
+        shard_id = stage_samples(storage, chunk)
         lane.run(shard_id)
         shard_ids.append(shard_id)
     records = {r.id: r for s in shard_ids for r in decode_completions(storage.read_bytes(completions_key(s)), what=s)}
