@@ -176,12 +176,14 @@ class Producer:
         storage: Storage | None = None,
         *,
         length_filter: LengthFilter | None | bool = True,
+        formatter=None,
     ) -> None:
+        """`formatter`: the chat template already checked against the thinking policy (`checked_formatter`)."""
         self.config = config
         self.ledger = ledger
         self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
-        formatter = checked_formatter(config)
+        formatter = formatter or checked_formatter(config)
         self.length_filter = build_length_filter(config, formatter) if length_filter is True else length_filter or None
 
     def enqueue(

@@ -99,7 +99,8 @@ def run_single_box(
 ) -> RunSummary:
     console = console or Console(stderr=True)
     started = time.monotonic()
-    checked_formatter(config)  # a thinking policy the template cannot honour stops the run before anything starts
+    # A thinking policy the template cannot honour stops the run before anything starts.
+    formatter = checked_formatter(config)
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         if not config.broker.url:
@@ -128,7 +129,9 @@ def run_single_box(
         )
         with progress:
             staging = progress.add_task("enqueue  (samples)", total=None)
-            report = Producer(config, ledger).enqueue(datasets, on_shard=lambda n: progress.advance(staging, n))
+            report = Producer(config, ledger, formatter=formatter).enqueue(
+                datasets, on_shard=lambda n: progress.advance(staging, n)
+            )
             progress.update(staging, total=report.samples, completed=report.samples)
             pending = set(report.shard_ids)
             done_task = progress.add_task("complete (shards) ", total=len(pending))

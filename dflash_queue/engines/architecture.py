@@ -17,6 +17,7 @@ The engine confirms the choice at load with a probe (packed against one sequence
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -52,7 +53,7 @@ class ArchitectureProfile:
         return "eager" if EAGER_ONLY_FEATURES & self.features.keys() else "sdpa"
 
     def describe(self) -> str:
-        kinds = ", ".join(f"{n} {t}" for t, n in _counts(self.layer_types))
+        kinds = ", ".join(f"{n} {t}" for t, n in Counter(self.layer_types).items())
         extras = "; ".join(f"{k} {v}".strip() for k, v in self.features.items())
         where = f"{self.model_type} (text decoder {self.text_model_type})" if self.multimodal else self.model_type
         head = f"{where}: {self.num_layers} layers ({kinds}), hidden {self.hidden_size}"
@@ -149,9 +150,3 @@ def _refusal(config, text, num_layers: int, features: dict[str, str], attn_imple
         return "flash_attention_2 has no attention sinks; use extract.attn_implementation = 'sdpa'"
     return ""
 
-
-def _counts(items: tuple[str, ...]) -> list[tuple[str, int]]:
-    seen: dict[str, int] = {}
-    for item in items:
-        seen[item] = seen.get(item, 0) + 1
-    return list(seen.items())

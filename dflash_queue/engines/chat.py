@@ -72,10 +72,9 @@ class ChatFormatter:
         decides: a generation prompt that opens `<think>` (thinking-first templates) thinks, one that writes a
         closed empty block does not, and one that writes neither leaves it to the request."""
         opening = self.tokenizer.decode(list(self._generation_prompt(requested)), skip_special_tokens=False)
-        opened, closed = opening.rfind(THINK_OPEN), opening.rfind(THINK_CLOSE)
-        if opened < 0 and closed < 0:
+        if THINK_OPEN not in opening and THINK_CLOSE not in opening:
             return requested
-        return opened > closed
+        return ends_inside_thinking(opening)
 
     def check_thinking_policy(self, policy: str) -> ThinkingPolicyCheck:
         """Whether the template can do what `dataset.thinking = policy` asks: render one prompt with
@@ -120,9 +119,8 @@ class ChatFormatter:
         """The assistant message of the generated ids[start:end], as a client would send it back: the answer as
         `content`, the reasoning (split at `</think>`, also when the prompt opened the block) as `reasoning`."""
         before = self.tokenizer.decode(list(ids[max(0, start - 16) : start]), skip_special_tokens=False)
-        opened = before.rfind(THINK_OPEN) > before.rfind(THINK_CLOSE)
         text = self.tokenizer.decode(list(ids[start:end]), skip_special_tokens=True)
-        reasoning, content = split_reply(text, opened=opened)
+        reasoning, content = split_reply(text, opened=ends_inside_thinking(before))
         return Message("assistant", content, reasoning)
 
     def encode(self, text: str) -> list[int]:
@@ -197,6 +195,11 @@ class ChatFormatter:
 
 def _tool_list(tools: str | None) -> list | None:
     return json.loads(tools) if tools is not None else None
+
+
+def ends_inside_thinking(text: str) -> bool:
+    """Whether `text` leaves a thinking block open: its last `<think>` comes after its last `</think>`."""
+    return text.rfind(THINK_OPEN) > text.rfind(THINK_CLOSE)
 
 
 def split_reply(text: str, *, opened: bool) -> tuple[str | None, str]:

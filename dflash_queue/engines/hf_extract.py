@@ -236,10 +236,10 @@ class HiddenStateExtractor:
     def activation_bytes(self, tokens: int) -> int:
         """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights.
 
-        tokens x dtype bytes x (2 K H  +  3 H  +  max(2 (q_heads + kv_heads) head_dim,  3 I)) + tokens x H:
+        tokens x dtype bytes x (2 K H  +  3 H  +  max(2 (q_heads + kv_heads) head_dim,  3 I)) + 4 tokens x H:
         the capture buffers of this pass and of the previous one (still copying to the host), the residual
         stream, a layer's input norm and output, the larger of attention's q, k, v, output and the MLP's gate,
-        up and product, and the finiteness check's boolean temporary. Allocator rounding and the attention
+        up and product, and the per-token statistics' float32 copy of one layer. Allocator rounding and the attention
         kernel's workspace (O(tokens) for flash-style kernels) come on top.
         """
         config = self.model.config
@@ -251,7 +251,7 @@ class HiddenStateExtractor:
             + 3 * hidden
             + max(2 * (heads + kv_heads) * head_dim, 3 * intermediate)
         )
-        return tokens * (per_token * self.dtype.itemsize + hidden)
+        return tokens * (per_token * self.dtype.itemsize + 4 * hidden)
 
     def close(self) -> None:
         for hook in self._hooks:

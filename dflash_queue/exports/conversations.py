@@ -52,11 +52,7 @@ class ConversationReport:
 
 def conversation(sample: Sample, record: CompletionRecord, formatter: ChatFormatter) -> dict[str, Any]:
     """The sample's conversation with each regenerated turn filled in, in order."""
-    # (ids, start, end, finish reason) of every generated turn, in order.
-    spans = [(t.prompt_ids + t.completion_ids, len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids),
-              t.finish_reason) for t in record.served_turns]
-    spans += [(record.input_ids, t.start, t.end, t.finish_reason) for t in record.earlier_turns]
-    spans.append((record.input_ids, len(record.prompt_ids), len(record.input_ids), record.finish_reason))
+    spans = record.generated_turns()
     replies = iter(spans)
     messages: list[dict[str, Any]] = []
     finish_reasons: list[str] = []
@@ -68,8 +64,8 @@ def conversation(sample: Sample, record: CompletionRecord, formatter: ChatFormat
             if span is None:
                 stopped = True
                 break
-            messages.append(formatter.reply_message(span[0], span[1], span[2]).to_json())
-            finish_reasons.append(span[3])
+            messages.append(formatter.reply_message(span.ids, span.start, span.end).to_json())
+            finish_reasons.append(span.finish_reason)
         else:
             messages.append(message.to_json())
     if sample.regenerate == "last":

@@ -15,7 +15,7 @@ the template rendered it, and its reply), and the main sequence trains on the la
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.quality.gate import Verdict
@@ -53,6 +53,15 @@ class ServedTurn:
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> ServedTurn:
         return cls([int(t) for t in row["prompt_ids"]], [int(t) for t in row["completion_ids"]], str(row["finish_reason"]))
+
+
+class GeneratedTurn(NamedTuple):
+    """A generated turn: ids[start:end] of the sequence that holds it."""
+
+    ids: list[int]
+    start: int
+    end: int
+    finish_reason: str
 
 
 @dataclass(frozen=True)
@@ -97,10 +106,21 @@ class CompletionRecord:
         earlier = sum(t.end - t.start for t in self.earlier_turns) + sum(len(t.completion_ids) for t in self.served_turns)
         return len(self.completion_ids) + earlier
 
+    def generated_turns(self) -> list[GeneratedTurn]:
+        """Every generated turn, in order, with the sequence that holds it."""
+        turns = [
+            GeneratedTurn(t.prompt_ids + t.completion_ids, len(t.prompt_ids), len(t.prompt_ids) + len(t.completion_ids),
+                          t.finish_reason)
+            for t in self.served_turns
+        ]
+        ids = self.input_ids
+        turns += [GeneratedTurn(ids, t.start, t.end, t.finish_reason) for t in self.earlier_turns]
+        turns.append(GeneratedTurn(ids, len(self.prompt_ids), len(ids), self.finish_reason))
+        return turns
+
     def turn_finish_reasons(self) -> list[str]:
         """The finish reason of every generated turn, in order."""
-        earlier = [t.finish_reason for t in self.served_turns] + [t.finish_reason for t in self.earlier_turns]
-        return [*earlier, self.finish_reason]
+        return [turn.finish_reason for turn in self.generated_turns()]
 
     def loss_mask(self) -> list[int]:
         mask = [0] * len(self.prompt_ids) + [1] * len(self.completion_ids)
