@@ -360,13 +360,19 @@ class Config(_Section):
         return Path(self.storage.uploader.staging_dir or Path(self.run.state_dir) / "staging")
 
     def fingerprint(self) -> str:
-        """A short hash of everything that changes what a task writes.
+        """A short hash of everything that changes what a task writes (`output_settings`).
 
         Workers refuse messages whose fingerprint differs from their own, so a node started with another
         model or other sampling settings cannot mix its output into the run. Paths and URLs are left out:
         they differ between nodes of one run.
         """
-        payload = {
+        blob = json.dumps(self.output_settings(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def output_settings(self) -> dict[str, Any]:
+        """Everything that changes what a task writes, by section: what the fingerprint hashes, and what a run
+        compares to say how two configurations differ."""
+        return {
             "model": {"name": self.model.display_name, "config": _model_config_digest(self.model.path)},
             "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes"}),
             "sampling": self.generate.sampling.model_dump(mode="json"),
@@ -378,8 +384,6 @@ class Config(_Section):
                 "final_norm_state": self.extract.final_norm_state,
             },
         }
-        blob = json.dumps(payload, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
 
     @property
     def retry_max_tokens(self) -> int:
