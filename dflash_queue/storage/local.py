@@ -116,7 +116,17 @@ class LocalStorage:
                     yield key
 
     def delete(self, key: str) -> None:
-        self.path_of(key).unlink(missing_ok=True)
+        """Remove the object, and the folders it leaves empty: as in an object store, a folder exists only while
+        it holds objects (a storage probe leaves no `_dfq_probe/` behind)."""
+        path = self.path_of(key)
+        path.unlink(missing_ok=True)
+        for folder in path.parents:
+            if folder == self.root or not folder.is_relative_to(self.root):
+                break
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or already gone): nothing above it can be empty either
+                break
 
     def size(self, key: str) -> int:
         return self.path_of(key).stat().st_size
@@ -124,11 +134,16 @@ class LocalStorage:
     @contextmanager
     def _atomic_target(self, key: str) -> Iterator[object]:
         target = self.path_of(key)
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
-        except OSError as exc:
-            raise storage_error(self.url, "write", key, exc) from exc
+        for attempt in range(3):
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp_name = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+                break
+            except FileNotFoundError as exc:  # a concurrent delete removed the folder as it emptied
+                if attempt == 2:
+                    raise storage_error(self.url, "write", key, exc) from exc
+            except OSError as exc:
+                raise storage_error(self.url, "write", key, exc) from exc
         try:
             with os.fdopen(fd, "wb") as handle:
                 yield handle

@@ -159,3 +159,17 @@ def test_a_read_only_directory_is_unavailable_and_a_failed_write_leaves_nothing(
     # Writable again: the same write succeeds.
     storage.write_bytes("shards/new.bin", b"x" * 100)
     assert storage.read_bytes("shards/new.bin") == b"x" * 100
+
+
+def test_delete_removes_the_folders_it_empties_and_no_others(tmp_path):
+    storage = LocalStorage(tmp_path / "root")
+    storage.write_bytes("a/b/one", b"1")
+    storage.write_bytes("a/two", b"2")
+    storage.delete("a/b/one")
+    assert not (tmp_path / "root" / "a" / "b").exists()
+    assert list(storage.list()) == ["a/two"]
+    storage.delete("a/two")
+    assert (tmp_path / "root").is_dir() and list((tmp_path / "root").iterdir()) == []
+    storage.delete("a/never-written")  # deleting what is not there is no error
+    storage.write_bytes("a/b/again", b"3")  # and the folders come back when written to
+    assert storage.read_bytes("a/b/again") == b"3"

@@ -10,6 +10,7 @@ def test_probe_round_trips_and_leaves_nothing(tmp_path):
     checks = check_configured_storage(StorageConfig(url=str(tmp_path / "out")))
     assert checks and all(check.verdict == "pass" for check in checks)
     assert list(LocalStorage(tmp_path / "out").list(PROBE_PREFIX)) == []
+    assert list((tmp_path / "out").iterdir()) == []  # not even an empty probe folder
 
 
 def test_unwritable_storage_fails_with_the_reason(tmp_path):
