@@ -62,10 +62,23 @@ class Ledger:
         self.counted_key = f"{self.prefix}:counted"
         # Largest values seen of measurements that are not counts (a canary's relative error).
         self.maxima_key = f"{self.prefix}:maxima"
+        # What the run's output is made with (dflash_queue.run_identity), as recorded by its first producer.
+        self.identity_key = f"{self.prefix}:identity"
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> Ledger:
         return cls(resilient_client(url), run_name)
+
+    def claim_identity(self, identity: str) -> str | None:
+        """Record the run's identity unless one is recorded; returns the one recorded before (None: none was)."""
+        pipe = self.client.pipeline()
+        pipe.set(self.identity_key, identity, nx=True)
+        pipe.get(self.identity_key)
+        claimed, recorded = pipe.execute()
+        return None if claimed else recorded
+
+    def replace_identity(self, identity: str) -> None:
+        self.client.set(self.identity_key, identity)
 
     def count_delivery(self, task_id: str, retries: int = 0, *, by: int = 1) -> int:
         """Count one more delivery of a task (a retry is a new message and counts afresh); returns the count.
@@ -197,6 +210,7 @@ class Ledger:
             self.first_add_key,
             self.counted_key,
             self.maxima_key,
+            self.identity_key,
             *buckets,
         )
 

@@ -6,10 +6,16 @@ Re-running it is safe: a shard whose training file exists is done, and a shard t
 in progress already has a message; both are skipped. Shard ids derive from sample ids, so the same dataset
 always makes the same shards.
 
+Storage has the last word on "done": a shard the ledger shows done whose training file is not in storage is
+sent again. Before anything is staged, the run's identity (dflash_queue.run_identity) is checked against what
+the broker's run name and the storage location were made with; another model, other settings or another
+storage is refused with what differs, never skipped as done.
+
 Rebuild (`rebuild=True`, `enqueue --rebuild`): after the broker was lost or restored from an old copy, the
 ledger may show shards queued whose messages are gone. Storage alone then decides: every shard without a
 training file is sent again. Tasks are idempotent (a shard whose completions are stored goes straight to
-extraction), so a shard that still had a message costs one skipped delivery, never a second copy.
+extraction), so a shard that still had a message costs one skipped delivery, never a second copy. A rebuild
+under a run name made with another config starts that run over (shard states and counters reset).
 
 Speed: token counting is batched through the fast tokenizer (on a second thread); shards are handled in
 groups, with one ledger read and one ledger write per group, and a group's prompt files are written by a
@@ -30,7 +36,8 @@ from dflash_queue.data.problems import BadRecord, ProblemLog
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.ledger import IN_PROGRESS_OR_DONE, Ledger
+from dflash_queue.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
+from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.keys import SHARDS, prompts_key, shard_id_of
@@ -64,7 +71,11 @@ class EnqueueReport:
     skipped_queued: int = 0
     # Rebuild only: shards sent again although the ledger showed them queued or in progress.
     resent_in_progress: int = 0
+    # Shards the ledger showed done whose training file is not in storage: sent again.
+    resent_missing: int = 0
     rebuild: bool = False
+    # Rebuild only: the run name had been made with another config and was started over (what differed).
+    restarted: list[str] = field(default_factory=list)
     shard_ids: list[str] = field(default_factory=list)
     pending_samples: int = 0
     problems: ProblemLog = field(default_factory=ProblemLog)
@@ -91,10 +102,15 @@ class EnqueueReport:
                 f"shards: {self.shards} ({self.enqueued} enqueued, {self.skipped_done} already done, "
                 f"{self.skipped_queued} already queued)"
             )
-        out += [
-            shards,
-            f"bad records: {self.problems.total}",
-        ]
+        out.append(shards)
+        if self.restarted:
+            out.append("rebuild: the run had been made with other settings and was started over:")
+            out.extend("  " + line for line in self.restarted)
+        if self.resent_missing:
+            out.append(
+                f"sent again: {self.resent_missing} shard(s) the ledger showed done have no training file in storage"
+            )
+        out.append(f"bad records: {self.problems.total}")
         out.extend("  " + line for line in self.problems.lines())
         if self.too_long.total:
             out.append(f"skipped as too long: {self.too_long.total}")
@@ -184,6 +200,7 @@ class Producer:
         self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
         formatter = formatter or checked_formatter(config)
+        self._restarted: list[str] | None = None  # what claim_run found different, once it ran
         self.length_filter = build_length_filter(config, formatter) if length_filter is True else length_filter or None
 
     def enqueue(
@@ -200,6 +217,7 @@ class Producer:
         """
         send = send or _send_generate
         report = EnqueueReport(rebuild=rebuild)
+        report.restarted = self.claim_run(rebuild=rebuild)
         done = {shard_id_of(key) for key in self.storage.list(SHARDS + "/")}
         samples = iter_samples(self.config, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
@@ -221,6 +239,33 @@ class Producer:
         )
         return report
 
+    def claim_run(self, *, rebuild: bool = False) -> list[str]:
+        """Check that the storage location and the broker's run name were made with this config, and record
+        that they are. A mismatch raises RunMismatch, except that `rebuild` starts the broker's run over: its
+        shard states and counters are reset (returns what differed; [] when nothing did). Checked once per
+        producer."""
+        if self._restarted is not None:
+            return self._restarted
+        mine = RunIdentity.of(self.config, self.storage.url)
+        if self.storage.exists(MANIFEST_KEY):
+            stored = RunIdentity.from_json(self.storage.read_bytes(MANIFEST_KEY))
+            if stored.fingerprint != mine.fingerprint:
+                raise storage_mismatch(stored, mine)
+        recorded_text = self.ledger.claim_identity(mine.to_json())
+        restarted: list[str] = []
+        if recorded_text is not None:
+            recorded = RunIdentity.from_json(recorded_text)
+            if recorded.fingerprint != mine.fingerprint or recorded.storage != mine.storage:
+                if not rebuild:
+                    raise broker_mismatch(self.config.run.name, recorded, mine)
+                restarted = recorded.differences(mine)
+                self.ledger.reset()
+                self.ledger.replace_identity(mine.to_json())
+        if not self.storage.exists(MANIFEST_KEY):
+            self.storage.write_bytes(MANIFEST_KEY, mine.to_json().encode() + b"\n")
+        self._restarted = restarted
+        return restarted
+
     def _stage_group(
         self, group: list[list[Sample]], done: set[str], report: EnqueueReport, pool: ThreadPoolExecutor
     ) -> _StagedGroup:
@@ -231,7 +276,9 @@ class Producer:
         for shard_id, shard in zip(shard_ids, group):
             report.shards += 1
             report.shard_ids.append(shard_id)
-            in_progress = states.get(shard_id) in IN_PROGRESS_OR_DONE
+            state = states.get(shard_id)
+            # Done only when its training file is in storage, whatever the ledger says.
+            in_progress = state in IN_PROGRESS_OR_DONE and state != DONE
             if shard_id in done:
                 report.skipped_done += 1
             elif in_progress and not report.rebuild:
@@ -239,6 +286,7 @@ class Producer:
                 report.pending_samples += len(shard)
             else:
                 report.resent_in_progress += int(in_progress)  # only a rebuild gets here with one
+                report.resent_missing += int(state == DONE)
                 # Content-addressed key: rewriting it writes the same bytes, so no existence check is needed.
                 data = encode_prompts(shard)
                 staged.writes.append(pool.submit(self.storage.write_bytes, prompts_key(shard_id), data))

@@ -19,7 +19,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
-from dflash_queue.storage.keys import SHARDS
+from dflash_queue.storage.keys import SHARDS, shard_id_of
 
 LANES = ("generate", "extract")
 
@@ -38,6 +38,8 @@ class RunSummary:
     output: str = ""
     # The worst relative error of any canary sample (recomputed alone) in this run name, or None.
     canary_worst: float | None = None
+    # Shards the ledger showed done whose training file is not in the run's storage.
+    shards_missing: list[str] = field(default_factory=list)
 
     def _canary(self) -> str:
         checked = self.counters.get("extract_canary_samples", 0)
@@ -52,7 +54,8 @@ class RunSummary:
             f"samples:           {self.report.samples} read, {self.report.duplicates} duplicates, "
             f"{self.report.problems.total} bad records skipped, {self.report.too_long.total} too long skipped",
             f"shards:            {self.shards_done} done, {len(self.shards_failed)} failed, "
-            f"{self.report.skipped_done} were already done",
+            + (f"{len(self.shards_missing)} missing from storage, " if self.shards_missing else "")
+            + f"{self.report.skipped_done} were already done",
             f"tokens generated:  {c.get('generate_completion_tokens', 0)} "
             f"(prompts {c.get('generate_prompt_tokens', 0)}; "
             f"turns stopped {c.get('finish_stop', 0)}, truncated {c.get('finish_length', 0)})",
@@ -71,6 +74,8 @@ class RunSummary:
             lines.extend("  " + line for line in self.report.too_long.lines())
         for shard_id, error in self.shards_failed.items():
             lines.append(f"failed shard {shard_id}: {error}")
+        for shard_id in self.shards_missing:
+            lines.append(f"missing shard {shard_id}: marked done, but {self.output}{shard_id}.safetensors does not exist")
         return lines
 
 
@@ -96,7 +101,10 @@ def run_single_box(
     *,
     console: Console | None = None,
     poll_s: float = 0.5,
+    rebuild: bool = False,
 ) -> RunSummary:
+    """`rebuild`: see `Producer.enqueue` (storage alone decides what is done; a run name made with another
+    config is started over)."""
     console = console or Console(stderr=True)
     started = time.monotonic()
     # A thinking policy the template cannot honour stops the run before anything starts.
@@ -117,6 +125,9 @@ def run_single_box(
         else:
             configure_app(config)
         ledger = Ledger.from_url(config.broker.url, config.run.name)
+        # A run name or storage made with other settings is refused before any worker loads a model.
+        producer = Producer(config, ledger, formatter=formatter)
+        producer.claim_run(rebuild=rebuild)
         before = ledger.counters()
 
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
@@ -129,9 +140,7 @@ def run_single_box(
         )
         with progress:
             staging = progress.add_task("enqueue  (samples)", total=None)
-            report = Producer(config, ledger, formatter=formatter).enqueue(
-                datasets, on_shard=lambda n: progress.advance(staging, n)
-            )
+            report = producer.enqueue(datasets, on_shard=lambda n: progress.advance(staging, n), rebuild=rebuild)
             progress.update(staging, total=report.samples, completed=report.samples)
             pending = set(report.shard_ids)
             done_task = progress.add_task("complete (shards) ", total=len(pending))
@@ -153,13 +162,17 @@ def run_single_box(
 
         after = ledger.counters()
         canary_worst = ledger.maxima().get(CANARY_ERROR)
+        # Done is what storage holds, not what the ledger says.
+        stored = {shard_id_of(key) for key in producer.storage.list(SHARDS + "/")}
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    missing = sorted(pending - stored - set(failed))
     return RunSummary(
         report=report,
         counters=delta,
         elapsed_s=time.monotonic() - started,
-        shards_done=len(pending) - len(failed),
+        shards_done=len(pending & stored),
         shards_failed=failed,
+        shards_missing=missing,
         output=f"{config.storage.url.rstrip('/')}/{SHARDS}/",
         canary_worst=canary_worst,
     )

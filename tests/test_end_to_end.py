@@ -130,6 +130,29 @@ def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
     assert "3 were already done" in rerun.stdout
     assert "tokens generated:  0 " in rerun.stdout
 
+    # The same run name with another model and another output: refused, saying why, never reported done.
+    import shutil
+
+    other_model = tmp_path / "tiny-other"
+    shutil.copytree(tiny_model, other_model)
+    other_tables = tiny_config_tables(other_model, tmp_path / "unused-storage", "", tmp_path / "state")
+    other_tables["model"]["name"] = ""
+    other_config = write_config(tmp_path / "other.toml", other_tables)
+    out2 = tmp_path / "out2"
+    other = [sys.executable, "-m", "dflash_queue", "run", str(dataset), "-c", str(other_config), "-o", str(out2)]
+    refused = subprocess.run(other, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1, refused.stdout
+    assert "this broker's run `test` was made with model tiny-qwen3, yours with model tiny-other" in refused.stderr
+    assert "started workers" not in refused.stderr  # refused before any model was loaded
+    assert not list(out2.glob("shards/*"))
+    # --rebuild starts the run over with the new model: its output is complete.
+    rebuilt = subprocess.run([*other, "--rebuild"], capture_output=True, text=True, timeout=600)
+    assert rebuilt.returncode == 0, rebuilt.stderr[-4000:]
+    assert "shards:            3 done, 0 failed, 0 were already done" in rebuilt.stdout
+    rebuilt_shards = sorted((out2 / "shards").glob("*.safetensors"))
+    assert [p.name for p in rebuilt_shards] == [p.name for p in shards]
+    assert {TrainingShard(p).metadata["target_model"] for p in rebuilt_shards} == {"tiny-other"}
+
 
 def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_path):
     """First Ctrl-C: warm shutdown; second: workers killed. Nothing is left running, and the next run

@@ -25,7 +25,8 @@ datasets_argument = click.argument(
     "--rebuild",
     is_flag=True,
     help="The broker was lost or restored from an old copy: ignore the ledger and enqueue every shard whose "
-    "training file is not in storage (tasks are idempotent: a shard that still had a message is stored once).",
+    "training file is not in storage (tasks are idempotent: a shard that still had a message is stored once). "
+    "A run name made with another config is started over with this one.",
 )
 def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> None:
     """Stage DATASETS as prompt shards and enqueue one generate task per shard not already done or queued."""
@@ -46,7 +47,10 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
         raise click.ClickException(str(exc)) from None
     with Progress(TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("samples", total=None)
-        report = producer.enqueue(list(datasets), on_shard=lambda n: bar.advance(task, n), rebuild=rebuild)
+        try:
+            report = producer.enqueue(list(datasets), on_shard=lambda n: bar.advance(task, n), rebuild=rebuild)
+        except ConfigError as exc:  # the run name or the storage was made with other settings: nothing sent
+            raise click.ClickException(str(exc)) from None
     for line in report.lines():
         click.echo(line)
 
@@ -94,14 +98,20 @@ def worker(
 @datasets_argument
 @config_option
 @click.option("-o", "--output", default=None, help="Storage for this run (directory or URL); overrides storage.url.")
-def run(datasets: tuple[Path, ...], config_path: Path, output: str | None) -> None:
+@click.option(
+    "--rebuild",
+    is_flag=True,
+    help="Ignore the ledger: enqueue every shard whose training file is not in storage; a run name made with "
+    "another config is started over with this one.",
+)
+def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebuild: bool) -> None:
     """Run the whole job on this machine: broker, one worker per lane, enqueue, wait, summary."""
     from dflash_queue.runner import RunFailed, run_single_box
 
     config = load(config_path, storage_url=output)
     console = Console(stderr=True)
     try:
-        summary = run_single_box(config_path, config, list(datasets), console=console)
+        summary = run_single_box(config_path, config, list(datasets), console=console, rebuild=rebuild)
     except (RunFailed, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -109,7 +119,7 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None) -> No
         sys.exit(130)
     for line in summary.lines():
         click.echo(line)
-    if summary.shards_failed:
+    if summary.shards_failed or summary.shards_missing:
         sys.exit(1)
 
 

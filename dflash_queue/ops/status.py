@@ -3,6 +3,8 @@
 Everything comes from Redis (the ledger's counters and shard states, the broker's queues and unacked
 messages) plus one control broadcast to the workers, so it works from any machine that reaches the broker and
 survives worker restarts. Dead letters are counted per lane from their records (dflash_queue.deadletters).
+A shard counts as extracted only when its training file is listed in the configured storage: one the ledger
+shows done without it is reported missing (`shards_missing`), never done.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, GENERATED, QUEUED, Ledger
 from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE
+from dflash_queue.storage import open_storage
+from dflash_queue.storage.keys import SHARDS, shard_id_of
 
 LANES = {"generate": GENERATE_QUEUE, "extract": EXTRACT_QUEUE}
 # Counters shown per lane, and which of them get a rate: (counter, label).
@@ -83,6 +87,11 @@ class RunStatus:
     lanes: dict[str, LaneStatus]
     eta_s: float | None
     finished: bool
+    storage: str = ""
+    # Shards the ledger shows done whose training file is not in `storage`.
+    shards_missing: list[str] = field(default_factory=list)
+    # Why storage could not be listed (then done is the ledger's word, unverified).
+    storage_error: str | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -170,6 +179,8 @@ def collect_status(
         depths = {lane: queue_depth(client, queue) for lane, queue in LANES.items()}
     finally:
         client.close()
+    stored, storage_error = stored_shards(config)
+    missing = sorted(s for s, st in states.items() if st == DONE and s not in stored) if stored is not None else []
     if workers is None:
         from dflash_queue.queue.app import configure_app
 
@@ -179,6 +190,8 @@ def collect_status(
     for lane, queue in LANES.items():
         failed = [s for s, st in states.items() if st == FAILED and _failed_in(failures.get(s, ""), lane)]
         done = [s for s, st in states.items() if st in LANE_DONE_STATES[lane]]
+        if lane == "extract":  # extracted means stored
+            done = [s for s in done if s not in missing]
         pending = [s for s, st in states.items() if st in LANE_PENDING_STATES[lane]]
         status = LaneStatus(
             lane=lane,
@@ -216,7 +229,7 @@ def collect_status(
         lanes[lane] = status
 
     etas = [lane.eta_s for lane in lanes.values()] if states else [None]
-    finished = bool(states) and all(lane.shards_remaining == 0 for lane in lanes.values())
+    finished = bool(states) and not missing and all(lane.shards_remaining == 0 for lane in lanes.values())
     return RunStatus(
         run=config.run.name,
         broker=redact(config.broker.url),
@@ -227,7 +240,23 @@ def collect_status(
         # The run ends when its slower lane does; unknown while either lane has no measured rate.
         eta_s=None if any(eta is None for eta in etas) else max(etas),
         finished=finished,
+        storage=redact(config.storage.url),
+        shards_missing=missing,
+        storage_error=storage_error,
     )
+
+
+def stored_shards(config: Config) -> tuple[set[str] | None, str | None]:
+    """Ids of the training shards in the configured storage, or (None, why) when it cannot be listed."""
+    try:
+        storage = open_storage(config.storage)
+        try:
+            return {shard_id_of(key) for key in storage.list(SHARDS + "/")}, None
+        finally:
+            if hasattr(storage, "close"):
+                storage.close()
+    except Exception as exc:  # status must show what it can; the reason is displayed instead of the check
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def _failed_in(failure: str, lane: str) -> bool:

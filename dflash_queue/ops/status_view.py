@@ -35,13 +35,22 @@ def status_table(status: RunStatus) -> Group:
     ]
     for label, cell in rows:
         table.add_row(label, *(cell(lane) for lane in status.lanes.values()))
+    notes = []
+    if status.shards_missing:
+        notes.append(Text(
+            f"{len(status.shards_missing):,} shard(s) marked done have no training file in {status.storage} "
+            f"(e.g. {status.shards_missing[0]}): `dflash-queue enqueue` sends them again",
+            style="red",
+        ))
+    if status.storage_error:
+        notes.append(Text(f"storage {status.storage} not checked ({status.storage_error}): done as the ledger says"))
     if status.finished:
         footer = Text("run finished: every shard has passed both lanes", style="green")
     elif not any(lane.shards_total for lane in status.lanes.values()):
         footer = Text(f"nothing enqueued yet for run {status.run}")
     else:
         footer = Text(f"run ETA (the slower lane): {humanize.duration(status.eta_s)}")
-    return Group(table, footer)
+    return Group(table, *notes, footer)
 
 
 def _eta(s: LaneStatus) -> str:

@@ -115,6 +115,9 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     now = 1_800_000_000.0
     for index in range(10):
         ledger.set_state(f"s{index}", DONE if index < 4 else "queued", num_samples=8)
+    storage = open_storage(config.storage.url)
+    for index in range(3):  # s3 is marked done, but its training file is not in storage
+        storage.write_bytes(shard_key(f"s{index}"), b"stored")
     ledger.mark_failed("s9", "dfq.extract: RuntimeError: boom")
     ledger.add({"enqueued_samples": 80}, now=now - 300)
     # In the last 5 minutes: 4 shards generated and extracted, so 1 shard per 75 s per lane.
@@ -130,7 +133,8 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     gen, ext = status.lanes["generate"], status.lanes["extract"]
     assert status.window_span_s == pytest.approx(300.0)
     assert (gen.shards_done, gen.shards_remaining, gen.shards_failed) == (4, 5, 0)
-    assert (ext.shards_done, ext.shards_remaining, ext.shards_failed) == (4, 5, 1)
+    assert (ext.shards_done, ext.shards_remaining, ext.shards_failed) == (3, 5, 1)
+    assert status.shards_missing == ["s3"] and status.storage_error is None and not status.finished
     assert gen.eta_s == pytest.approx(5 * 75.0) and ext.eta_s == pytest.approx(5 * 75.0)
     assert gen.quality == {"gate_drop": 4, "gate_empty_drop": 1, "gate_flag": 2, "gate_keep": 28,
                            "gate_stub_drop": 3, "gate_truncated_flag": 2}
@@ -140,6 +144,7 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
 
     text = _render(status)
     assert "4 dropped" in text and "6 min" in text
+    assert f"1 shard(s) marked done have no training file in {config.storage.url} (e.g. s3)" in " ".join(text.split())
     assert "truncated 5 · stopped 37" in text
 
 

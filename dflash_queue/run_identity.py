@@ -1,0 +1,116 @@
+"""What a run's output is made with, so that a run name or a storage location is never reused for another job.
+
+The ledger in Redis says which shards of a run name are done, and storage holds what they produced. Both are
+only true for the settings that made them: a rerun under the same `run.name` with another model would find every
+shard "done" and send nothing, and a storage location written with other sampling would be taken as finished.
+So the producer records, before it stages anything, the run's identity (the config's output settings, whose hash
+is the fingerprint, and the storage location) in the broker and the settings in the storage root, and refuses to
+go on when either was made with something else, saying what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_queue.config import Config
+from dflash_queue.errors import ConfigError
+
+# In the storage root: the output settings of whatever wrote this location.
+MANIFEST_KEY = "dflash-queue-run.json"
+# How the sections of `Config.output_settings` are named in a config file.
+SECTION_NAMES = {"sampling": "generate.sampling"}
+
+
+class RunMismatch(ConfigError):
+    """The broker's run or the storage location was made with other settings than this config's."""
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    fingerprint: str
+    settings: dict[str, Any]
+    storage: str
+
+    @classmethod
+    def of(cls, config: Config, storage_url: str) -> RunIdentity:
+        return cls(config.fingerprint(), config.output_settings(), storage_url)
+
+    @property
+    def model(self) -> str:
+        return str(self.settings.get("model", {}).get("name", "?"))
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"fingerprint": self.fingerprint, "settings": self.settings, "storage": self.storage}, sort_keys=True
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RunIdentity:
+        data = json.loads(text)
+        return cls(data["fingerprint"], data.get("settings", {}), data.get("storage", ""))
+
+    def differences(self, mine: RunIdentity, *, storage: bool = True) -> list[str]:
+        """`key: theirs; yours: mine` for every setting that differs (storage too, unless told not to)."""
+        found = [
+            f"{key}: {_show(theirs)}; yours: {_show(yours)}"
+            for key, theirs, yours in _differing(_flatten(self.settings), _flatten(mine.settings))
+        ]
+        if not found and self.fingerprint != mine.fingerprint:
+            found.append(f"fingerprint: {self.fingerprint}; yours: {mine.fingerprint}")
+        if storage and self.storage != mine.storage:
+            found.append(f"storage: {self.storage}; yours: {mine.storage}")
+        return found
+
+
+def broker_mismatch(run_name: str, recorded: RunIdentity, mine: RunIdentity) -> RunMismatch:
+    return RunMismatch(
+        f"this broker's run `{run_name}` was made with {_made_with(recorded, mine)}, yours with "
+        f"{_made_with(mine, recorded)}: use another run.name, or --rebuild to start `{run_name}` over with your "
+        f"config (its shard states and counters are reset; nothing in storage is deleted).\n"
+        + "\n".join(f"  {line}" for line in recorded.differences(mine))
+    )
+
+
+def storage_mismatch(recorded: RunIdentity, mine: RunIdentity) -> RunMismatch:
+    return RunMismatch(
+        f"storage {mine.storage} holds output made with {_made_with(recorded, mine)}, not with yours "
+        f"({_made_with(mine, recorded)}): its shards would be taken as done. Use another output location "
+        f"(-o or storage.url), or the config that made it.\n"
+        + "\n".join(f"  {line}" for line in recorded.differences(mine, storage=False))
+    )
+
+
+def _made_with(identity: RunIdentity, other: RunIdentity) -> str:
+    """The model, plus the first setting that tells the two apart when the model does not."""
+    words = f"model {identity.model}"
+    if identity.model == other.model:
+        differing = _differing(_flatten(identity.settings), _flatten(other.settings))
+        if differing and differing[0][0] != "model.name":
+            key, value, _ = differing[0]
+            words += f" and {key} = {_show(value)}"
+        elif not differing and identity.storage != other.storage:
+            words += f" into {identity.storage}"
+    return words
+
+
+def _differing(theirs: dict[str, Any], yours: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    keys = sorted(set(theirs) | set(yours), key=lambda k: (k != "model.name", k))
+    return [(key, theirs.get(key), yours.get(key)) for key in keys if theirs.get(key) != yours.get(key)]
+
+
+def _flatten(settings: dict[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for section, values in settings.items():
+        name = SECTION_NAMES.get(section, section)
+        if isinstance(values, dict):
+            for key, value in values.items():
+                flat[f"{name}.{key}"] = value
+        else:
+            flat[name] = values
+    return flat
+
+
+def _show(value: Any) -> str:
+    return "(unset)" if value is None else json.dumps(value)
