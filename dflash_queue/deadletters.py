@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import redis
 
+from dflash_queue import jsoncodec
+
 # Kinds of record.
 TASK = "task"
 SAMPLE = "sample"
@@ -53,11 +55,15 @@ class DeadLetter:
         return self.kind != MESSAGE
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        data = asdict(self)
+        try:
+            return jsoncodec.dumps(data, sort_keys=True).decode()
+        except UnicodeEncodeError:  # a lone surrogate (undecodable bytes in an error message) kept as an escape
+            return json.dumps(data, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> DeadLetter:
-        return cls(**json.loads(text))
+    def from_json(cls, text: str | bytes) -> DeadLetter:
+        return cls(**jsoncodec.loads(text))
 
     def summary(self) -> str:
         what = self.shard_id or "-"

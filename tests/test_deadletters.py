@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import redis
 
@@ -46,6 +47,20 @@ def test_records_keep_what_an_operator_needs(redis_url):
     assert shown.kind == SAMPLE and shown.sample_ids == ["abc"] and shown.shard_id == "s1"
     assert shown.exc_type == "KeyError" and "raise KeyError" in shown.traceback
     assert shown.requeueable and not record(kind=MESSAGE).requeueable
+
+
+def test_records_keep_any_text_and_argument_exactly(redis_url):
+    dead = store(redis_url)
+    cases = [
+        ("s1", "«naïve» 数据, \u2028", ["s1", 1e-05, float("inf")]),
+        ("s2", "undecodable \udcff byte", ["s2"]),
+        ("s3", "big", ["s3", 2**70 + 1]),
+    ]
+    for shard, message, args in cases:
+        added = dead.add(replace(record(shard=shard, exc=ValueError(message)), args=args, kwargs={"k": None}))
+        shown = dead.get(added.id)
+        assert shown.message == message and shown.args == args and shown.kwargs == {"k": None}
+        assert DeadLetter.from_json(shown.to_json().encode()) == shown
 
 
 def test_filters_by_lane_type_kind_and_age(redis_url):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from dflash_queue import jsoncodec
 from dflash_queue.data.problems import BadRecord
 
 Container = Literal["jsonl", "json", "parquet"]
@@ -219,11 +220,9 @@ def _decode_line(name: str, line_no: int, raw: bytes) -> RawRecord | BadRecord |
     if not raw.strip():
         return None
     try:
-        text = raw.decode("utf-8")
+        return RawRecord(name, line_no, jsoncodec.loads(raw))
     except UnicodeDecodeError as exc:
         return BadRecord(name, line_no, f"invalid UTF-8: {exc.reason} at byte {exc.start}")
-    try:
-        return RawRecord(name, line_no, json.loads(text))
     except json.JSONDecodeError as exc:
         return BadRecord(name, line_no, f"malformed JSON: {exc.msg} at column {exc.colno}")
     except RecursionError:

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from dflash_queue import jsoncodec
+
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 # "last": regenerate one reply after the prompt; "all": regenerate every assistant turn in order.
@@ -27,7 +29,7 @@ class Message:
         if self.reasoning is not None:
             out["reasoning_content"] = self.reasoning
         if self.tool_calls is not None:
-            out["tool_calls"] = json.loads(self.tool_calls)
+            out["tool_calls"] = jsoncodec.loads(self.tool_calls)
         return out
 
     @classmethod
@@ -69,7 +71,7 @@ class Sample:
     tools: str | None = None
 
     def tool_list(self) -> list[Any] | None:
-        return json.loads(self.tools) if self.tools is not None else None
+        return jsoncodec.loads(self.tools) if self.tools is not None else None
 
     @property
     def num_turns(self) -> int:
@@ -88,7 +90,7 @@ class Sample:
         if self.regenerate != "last":
             out["regenerate"] = self.regenerate
         if self.tools is not None:
-            out["tools"] = json.loads(self.tools)
+            out["tools"] = jsoncodec.loads(self.tools)
         return out
 
     @classmethod
@@ -104,6 +106,7 @@ class Sample:
 
 
 def canonical_json(value: Any) -> str:
+    # The standard library's spelling (floats included) is part of the sample ids of records with tools.
     return json.dumps(value, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
 
 
@@ -116,5 +119,5 @@ def sample_id(messages: tuple[Message, ...], tools: str | None = None) -> str:
         if m.reasoning is not None or m.tool_calls is not None:
             row += [m.reasoning or "", m.tool_calls or ""]
         rows.append(row)
-    canonical = json.dumps(rows, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:32]
+    # Strings only: orjson writes them byte for byte as json.dumps(ensure_ascii=False) did.
+    return hashlib.sha256(jsoncodec.dumps(rows)).hexdigest()[:32]

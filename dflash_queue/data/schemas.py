@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dflash_queue import jsoncodec
 from dflash_queue.data.samples import Message, canonical_json
 
 SHAREGPT_ROLES = {
@@ -79,7 +80,7 @@ def _maybe_json(value: Any, key: str) -> Any:
     # Some exports (Parquet/CSV conversions) store the turn list as a JSON string.
     if isinstance(value, str):
         try:
-            return json.loads(value)
+            return jsoncodec.loads(value)
         except (json.JSONDecodeError, RecursionError):
             raise RecordError("malformed JSON in a string-encoded turn list", key) from None
     return value

@@ -52,7 +52,7 @@ class ServedTurn:
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> ServedTurn:
-        return cls([int(t) for t in row["prompt_ids"]], [int(t) for t in row["completion_ids"]], str(row["finish_reason"]))
+        return cls(token_ids(row["prompt_ids"]), token_ids(row["completion_ids"]), str(row["finish_reason"]))
 
 
 class GeneratedTurn(NamedTuple):
@@ -166,8 +166,8 @@ class CompletionRecord:
         try:
             record = cls(
                 id=row["id"],
-                prompt_ids=[int(t) for t in row["prompt_ids"]],
-                completion_ids=[int(t) for t in row["completion_ids"]],
+                prompt_ids=token_ids(row["prompt_ids"]),
+                completion_ids=token_ids(row["completion_ids"]),
                 finish_reason=row["finish_reason"],
                 thinking=bool(row["thinking"]),
                 text=row.get("text", ""),
@@ -182,6 +182,17 @@ class CompletionRecord:
             if not 0 <= turn.start <= turn.end <= len(record.prompt_ids):
                 raise ShardFormatError(f"completion record {record.id}: turn span {turn} outside the prompt")
         return record
+
+
+def token_ids(values: Any) -> list[int]:
+    """`values` as a list of ints: a decoded list of ints as it is (one type check in C), anything else
+    converted element by element with int(), which raises on what is not a token id."""
+    if type(values) is list and set(map(type, values)) <= _INT:
+        return values
+    return [int(t) for t in values]
+
+
+_INT = {int}
 
 
 def encode_completions(records: list[CompletionRecord]) -> bytes:

@@ -6,20 +6,23 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from dflash_queue import jsoncodec
 from dflash_queue.errors import ShardFormatError
 
 
 def dump_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:
-    return "".join(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n" for row in rows).encode()
+    return b"".join([jsoncodec.dumps(row) + b"\n" for row in rows])
 
 
 def load_jsonl(data: bytes, *, what: str) -> list[dict[str, Any]]:
     rows = []
-    for line_no, line in enumerate(data.decode("utf-8").splitlines(), start=1):
+    # Split on the newlines dump_jsonl writes, nothing else: JSON leaves U+2028 or U+0085 in text unescaped.
+    for line_no, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise ShardFormatError(f"{what}:{line_no}: corrupt JSON line: {exc.msg}") from None
+            rows.append(jsoncodec.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else f"invalid UTF-8 at byte {exc.start}"
+            raise ShardFormatError(f"{what}:{line_no}: corrupt JSON line: {reason}") from None
     return rows
