@@ -5,8 +5,10 @@ The producer does everything a real run does: read and parse, stable ids, exact-
 policy, prompt-token counting with the target's tokenizer and chat template (length filter), prompt shard
 writing to local storage, and one Celery message per shard. Side by side in the same run it times the read
 and parse alone (no counting, no shards, no Redis) so the ratio shows what staging adds on top of reading.
-Prints prompts/s and Redis's peak memory (INFO memory used_memory_peak). Targets: 1,000,000 prompts in under
-3 minutes, Redis under 50 MB.
+Both are timed twice over the same file: with every JSON line through the standard library
+(`jsoncodec.standard_library()`) and through orjson; each staging run has its own ledger, so the second
+stages every shard again, and an untimed run over the first 4,096 lines warms up what a first run pays once. Prints prompts/s and Redis's peak memory (INFO memory used_memory_peak). Targets:
+1,000,000 prompts in under 3 minutes, Redis under 50 MB.
 
     .venv/bin/python tools/bench_staging.py [--prompts 1000000] [--model .cache/tiny-qwen3] [--tokenizer PATH]
 """
@@ -14,12 +16,14 @@ Prints prompts/s and Redis's peak memory (INFO memory used_memory_peak). Targets
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,6 +31,7 @@ sys.path.insert(0, str(REPO))
 
 import redis  # noqa: E402
 
+from dflash_queue import jsoncodec  # noqa: E402
 from dflash_queue.config import load_config  # noqa: E402
 from dflash_queue.ledger import Ledger  # noqa: E402
 from dflash_queue.producer import EnqueueReport, Producer, iter_samples  # noqa: E402
@@ -61,6 +66,25 @@ def make_dataset(path: Path, prompts: int, seed: int = 0) -> None:
             handle.write(json.dumps({"id": f"s{index}", "conversations": turns}) + "\n")
 
 
+def stage(config, url: str, dataset: Path, codec: str) -> dict:
+    """Read alone, then the whole producer into a ledger of its own; wall and CPU seconds."""
+    started = time.perf_counter()
+    read_report = EnqueueReport()
+    for _ in iter_samples(config, [dataset], read_report):
+        pass
+    read_s = time.perf_counter() - started
+
+    started = time.perf_counter()
+    cpu, main_cpu = time.process_time(), time.thread_time()
+    ledger = Ledger.from_url(url, f"{config.run.name}-{codec.replace(' ', '-')}")
+    report = Producer(config, ledger).enqueue([dataset])
+    return {
+        "read_s": read_s, "read_samples": read_report.samples, "report": report,
+        "staging_s": time.perf_counter() - started,
+        "cpu": time.process_time() - cpu, "main_cpu": time.thread_time() - main_cpu,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=1_000_000)
@@ -90,31 +114,34 @@ def main() -> None:
             configure_app(config)
             client = redis.Redis.from_url(server.url)
 
-            # Read and parse alone: the floor staging is measured against.
-            started = time.perf_counter()
-            read_report = EnqueueReport()
-            for _ in iter_samples(config, [dataset], read_report):
-                pass
-            read_s = time.perf_counter() - started
-
-            started = time.perf_counter()
-            cpu, main_cpu = time.process_time(), time.thread_time()
-            report = Producer(config, Ledger.from_url(server.url, config.run.name)).enqueue([dataset])
-            staging_s = time.perf_counter() - started
-            staging_cpu, main_cpu = time.process_time() - cpu, time.thread_time() - main_cpu
+            # Warm up what a first run pays once (template compilation, tokenizer, task imports), untimed.
+            warmup = tmp / "warmup.jsonl"
+            with open(dataset, "rb") as source:
+                warmup.write_bytes(b"".join(itertools.islice(source, 4096)))
+            stage(config, server.url, warmup, "warm-up")
+            results = {}
+            for codec in ("standard library", "orjson"):
+                with jsoncodec.standard_library() if codec == "standard library" else nullcontext():
+                    results[codec] = stage(config, server.url, dataset, codec)
             memory = client.info("memory")
             queued = client.llen(GENERATE_QUEUE)
             load = os.getloadavg()
 
+    report = results["orjson"]["report"]
     print(f"prompts: {report.samples + report.duplicates} read, {report.duplicates} duplicates, "
           f"{report.too_long.total} too long, {report.staged} staged (thinking on for {report.thinking_on}), "
           f"{report.prompt_tokens} prompt tokens counted")
-    print(f"shards: {report.shards} written, {queued} messages queued")
-    print(f"read + parse + dedupe only: {read_s:.1f} s ({read_report.samples / read_s:,.0f} prompts/s)")
-    print(f"full staging:               {staging_s:.1f} s ({report.samples / staging_s:,.0f} prompts/s, "
-          f"{staging_cpu:.1f} s CPU in this process, {main_cpu:.1f} s of it on the main thread)")
-    print(f"staging_time / read_time = {staging_s / read_s:.2f}")
-    print(f"staging time / 180 s target = {staging_s / 180:.2f}")
+    print(f"shards: {report.shards} written per run, {queued} messages queued by both runs")
+    for codec, result in results.items():
+        read_s, staging_s = result["read_s"], result["staging_s"]
+        print(f"JSON through {codec}:")
+        print(f"  read + parse + dedupe only: {read_s:.1f} s ({result['read_samples'] / read_s:,.0f} prompts/s)")
+        print(f"  full staging:               {staging_s:.1f} s ({report.samples / staging_s:,.0f} prompts/s, "
+              f"{result['cpu']:.1f} s CPU in this process, {result['main_cpu']:.1f} s of it on the main thread)")
+        print(f"  staging_time / read_time = {staging_s / read_s:.2f}; staging time / 180 s target = {staging_s / 180:.2f}")
+    old, new = results["standard library"], results["orjson"]
+    print(f"standard library / orjson: read {old['read_s'] / new['read_s']:.2f}x, "
+          f"staging {old['staging_s'] / new['staging_s']:.2f}x")
     print(f"redis used_memory_peak: {memory['used_memory_peak'] / 1e6:.1f} MB (target < 50 MB); "
           f"used now {memory['used_memory'] / 1e6:.1f} MB")
     print(f"load average during the run (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")
