@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_queue.errors import EngineUnavailable, SampleDependentError
-from dflash_queue.lanes.isolation import run_isolating
+from dflash_queue.lanes.isolation import run_isolating, run_isolating_streamed
 
 
 def engine(poison: set[int], calls: list[list[int]], *, name_culprits: bool = False, error=SampleDependentError):
@@ -53,3 +53,32 @@ def test_errors_that_say_nothing_about_the_samples_pass_through():
 
     with pytest.raises(EngineUnavailable):
         run_isolating([1, 2, 3], dead_engine, "abc")
+
+
+def test_results_delivered_before_a_failure_are_kept_and_not_run_again():
+    """A streaming batch hands over results as they come; a poison item fails the batch after some were delivered."""
+    calls: list[list[int]] = []
+    delivered: dict[int, int] = {}
+
+    def run(batch: list[int], done) -> None:
+        calls.append(list(batch))
+        for position, item in enumerate(batch):
+            if item == 5:
+                raise SampleDependentError("boom")
+            done(position, item * 10)
+
+    outcome = run_isolating_streamed(list(range(8)), run, [str(i) for i in range(8)], delivered.__setitem__)
+    assert [i for i, _ in outcome.poisoned] == [5]
+    assert delivered == {i: i * 10 for i in range(8) if i != 5}
+    assert calls[0] == list(range(8)) and all(0 not in batch for batch in calls[1:])  # only 5, 6, 7 run again
+    assert sorted(i for batch in calls[1:] for i in batch if i != 5) == [6, 7]
+
+
+def test_a_failure_after_every_item_was_delivered_passes_through():
+    def run(batch, done):
+        for position, item in enumerate(batch):
+            done(position, item)
+        raise SampleDependentError("names nobody left")
+
+    with pytest.raises(SampleDependentError, match="names nobody left"):
+        run_isolating_streamed([1, 2], run, "ab", lambda i, r: None)
