@@ -17,6 +17,7 @@ from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import EXTRACT_QUEUE, configure_app
 from dflash_queue.queue.tasks import extract_shard
+from dflash_queue.run_identity import MANIFEST_KEY
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
@@ -88,7 +89,8 @@ def test_job_on_s3_stores_verified_multipart_shards(
 
     # Every object the job wrote carries the sha256 of its content and an S3 checksum.
     keys = [o["Key"] for o in raw.list_objects_v2(Bucket=s3_bucket)["Contents"]]
-    assert {k.split("/")[1] for k in keys} == {"prompts", "completions", "shards"}
+    # The run's outputs, and what they were made with (dflash_queue.run_identity) in the storage root.
+    assert {k.split("/")[1] for k in keys} == {"prompts", "completions", "shards", MANIFEST_KEY}
     for key in keys:
         head = raw.head_object(Bucket=s3_bucket, Key=key, ChecksumMode="ENABLED")
         body = raw.get_object(Bucket=s3_bucket, Key=key)["Body"].read()
