@@ -13,7 +13,8 @@ from dflash_queue.ledger import Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.quality.gate import Verdict
 from dflash_queue.shards.prompts import decode_prompts
-from dflash_queue.shards.training import ExtractedSample, ShardInfo, write_training_shard
+from dflash_queue.shards.training import ExtractedSample, ShardInfo
+from dflash_queue.shards.training_writer import write_training_shard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import prompts_key, shard_key
 

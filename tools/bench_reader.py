@@ -30,7 +30,8 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_queue.shards.fp8 import dequantize_fp8  # noqa: E402
-from dflash_queue.shards.training import ExtractedSample, ShardInfo, write_training_shard  # noqa: E402
+from dflash_queue.shards.training import ExtractedSample, ShardInfo  # noqa: E402
+from dflash_queue.shards.training_writer import write_training_shard  # noqa: E402
 from dflash_queue.training import ShardDataset  # noqa: E402
 
 

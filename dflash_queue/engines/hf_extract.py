@@ -16,9 +16,11 @@ probe that compares a packed pass with each sequence run alone, and logged:
   model's own attention.
 
 The hooks copy each captured layer into one [tokens, K, H] buffer per pass, so only the K captured layers outlive
-their layer. On CUDA that buffer goes to pinned host memory on a side stream while the next pass computes; the
-copies are awaited once, before `capture` returns. Per sequence and layer, a few statistics (largest and
-smallest value, median token RMS) are reduced on the device for the lane's plausibility checks.
+their layer. On CUDA that buffer goes to pinned host memory on a side stream while the next pass computes; a
+pass's copy is awaited once the next pass is queued, and its sequences are then handed over (`deliver`: the lane
+writes them to the shard file and drops them), so the host holds about two passes of states. Per sequence and
+layer, a few statistics (largest and smallest value, median token RMS) are reduced on the device for the lane's
+plausibility checks.
 
 `reference_states` runs one sequence alone through the model's own attention (eager where SDPA would drop
 soft-capping or sinks): the ground truth the load probe and the lane's canary compare packed results with.
@@ -27,7 +29,7 @@ soft-capping or sinks): the ground truth the load probe and the lane's canary co
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,18 +187,32 @@ class HiddenStateExtractor:
         """Hidden states [T, K, H] on the CPU, one per request, in request order, in the model's dtype."""
         return [captured.states for captured in self.capture(requests)]
 
-    def capture(self, requests: Sequence[ExtractionRequest], *, break_packing: bool = False) -> list[CapturedStates]:
+    def capture(
+        self,
+        requests: Sequence[ExtractionRequest],
+        *,
+        break_packing: bool = False,
+        deliver: Callable[[int, CapturedStates], None] | None = None,
+    ) -> list[CapturedStates]:
         """States and per-layer statistics, one per request, in request order.
 
+        With `deliver`, each request's result goes to `deliver(request index, captured)` as soon as its pass is
+        done, and nothing is kept or returned: the host then holds about one pass's states (two on CUDA, where
+        a pass's copy to the host overlaps the next pass), whatever the number of requests.
+
         Raises OutOfMemoryAtMinimumBudget when one sequence alone does not fit in device memory, and
-        NonFiniteHiddenStates naming every sample with a NaN or infinite value. `break_packing` (fault injection,
-        for proving the checks that must catch it) lets the sequences of a pack see each other.
+        NonFiniteHiddenStates naming every sample with a NaN or infinite value (after the other samples were
+        delivered). `break_packing` (fault injection, for proving the checks that must catch it) lets the
+        sequences of a pack see each other.
         """
         lengths = [len(r.input_ids) for r in requests]
         for request, length in zip(requests, lengths):
             if length < 1:
                 raise ValueError(f"sample {request.sample_id}: no input ids to extract")
-        results: list[_PassResult] = []
+        out: list[CapturedStates | None] = [None] * len(requests)
+        hand_over = deliver or out.__setitem__
+        nonfinite: list[str] = []
+        in_flight: list[_PassResult] = []
         pending = list(range(len(requests)))
         while pending:
             plan = plan_passes(self.mode, [lengths[i] for i in pending], self.effective_token_budget)
@@ -204,16 +220,27 @@ class HiddenStateExtractor:
             failed: list[int] | None = None
             for number, group in enumerate(passes):
                 try:
-                    results.append(self._run(group, requests, leak=break_packing))
+                    in_flight.append(self._run(group, requests, leak=break_packing))
                 except torch.OutOfMemoryError:
                     failed = group
                     pending = [i for later in passes[number:] for i in later]
                     break
+                # The pass before this one has been copying to the host while this one computed.
+                while len(in_flight) > 1:
+                    self._hand_over(in_flight.pop(0), requests, hand_over, nonfinite)
             if failed is None:
                 pending = []
             else:
                 self._recover_from_oom(failed, requests, lengths)
-        return self._collect(results, requests)
+        while in_flight:
+            self._hand_over(in_flight.pop(0), requests, hand_over, nonfinite)
+        if nonfinite:
+            raise NonFiniteHiddenStates(
+                f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
+                + ", ".join(nonfinite[:10]) + (" ..." if len(nonfinite) > 10 else ""),
+                sample_ids=tuple(nonfinite),
+            )
+        return [] if deliver else out  # type: ignore[return-value]
 
     @torch.inference_mode()
     def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
@@ -330,23 +357,21 @@ class HiddenStateExtractor:
             len(group), pass_tokens, self.effective_token_budget,
         )
 
-    def _collect(self, results: list[_PassResult], requests: Sequence[ExtractionRequest]) -> list[CapturedStates]:
-        out: list[CapturedStates | None] = [None] * len(requests)
-        nonfinite: list[str] = []
-        for result in results:
-            result.wait()
-            for position, ((start, end), index) in enumerate(zip(result.spans, result.indices)):
-                stats = result.token_stats[start:end]
-                if not torch.isfinite(stats[..., 2]).all():
-                    nonfinite.append(requests[index].sample_id)
-                out[index] = CapturedStates(result.states[start:end], summarize(stats), position)
-        if nonfinite:
-            raise NonFiniteHiddenStates(
-                f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
-                + ", ".join(nonfinite[:10]) + (" ..." if len(nonfinite) > 10 else ""),
-                sample_ids=tuple(nonfinite),
-            )
-        return out  # type: ignore[return-value]
+    @staticmethod
+    def _hand_over(
+        result: _PassResult,
+        requests: Sequence[ExtractionRequest],
+        deliver: Callable[[int, CapturedStates], None],
+        nonfinite: list[str],
+    ) -> None:
+        """Each finite sequence of a finished pass to `deliver`; the others are named in `nonfinite`."""
+        result.wait()
+        for position, ((start, end), index) in enumerate(zip(result.spans, result.indices)):
+            stats = result.token_stats[start:end]
+            if not torch.isfinite(stats[..., 2]).all():
+                nonfinite.append(requests[index].sample_id)
+                continue
+            deliver(index, CapturedStates(result.states[start:end], summarize(stats), position))
 
     def _capture_hook(self, position: int):
         def hook(_module: nn.Module, _inputs, output) -> None:

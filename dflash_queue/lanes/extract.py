@@ -2,11 +2,13 @@
 
 Keeping the engine busy while shards are stored: the extract worker runs its tasks in Celery's threads pool
 with several task slots (1 + storage.uploader.max_pending by default), and a task acknowledges only after its
-shard is durably stored. Inside `run`, only the forward passes hold the lane's compute slot (one task on the
-engine at a time); reading the completions shard, writing the safetensors file and waiting for its upload happen
-outside it. So while one task waits for its shard to reach storage, the next task already computes, and when
-uploads fall behind, tasks queue at the uploader's bounded staging area (back-pressure) rather than on disk.
-One task per shard keeps re-delivery simple: a shard is either stored whole or computed again.
+shard is durably stored. A task first takes a slot in the uploader's bounded staging area (back-pressure: when
+uploads fall behind, tasks wait there rather than filling the disk), then the lane's compute slot (one task on
+the engine at a time). Its hidden states go to the staged file as each forward pass finishes
+(shards/training_writer.py), so a task holds about one pass of states in host memory, never its shard; the
+header is written and the upload waited for after the compute slot is released, so while one task waits for its
+shard to reach storage, the next task already computes. One task per shard keeps re-delivery simple: a shard is
+either stored whole or computed again.
 
 Every shard is checked before it is written (see engines/state_checks.py): `extract.canary_samples` samples,
 chosen from the shard id, are recomputed alone through the model's own attention and compared with their packed
@@ -16,9 +18,8 @@ for good: its dead letter names the sample, the layer and the error, and nothing
 
 from __future__ import annotations
 
-import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -32,9 +33,13 @@ from dflash_queue.engines.hf_extract import CapturedStates, ExtractionRequest, H
 from dflash_queue.engines.state_checks import check_canary, check_plausible, default_tolerance
 from dflash_queue import faults
 from dflash_queue.errors import WorkerShuttingDown
-from dflash_queue.lanes.isolation import run_isolating
+from dflash_queue.lanes.canaries import CanaryPicker
+from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.training import ExtractedSample, ShardInfo, TrainingShard, write_training_shard
+from dflash_queue.shards.ranges import open_source
+from dflash_queue.shards.reader import ShardIndex
+from dflash_queue.shards.training import ShardInfo
+from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage.keys import completions_key, prompts_key, shard_key
@@ -107,9 +112,12 @@ class ExtractLane:
         """
         out_key = shard_key(shard_id)
         if not redo and self.storage.exists(out_key):
-            with self.storage.local_copy(out_key) as path:
-                shard = TrainingShard(path)
-                return ExtractSummary(shard_id, len(shard), shard.num_tokens, path.stat().st_size, skipped=True)
+            source = open_source(self.storage, out_key)
+            try:
+                index = ShardIndex.load(source)
+                return ExtractSummary(shard_id, len(index), index.num_tokens, source.size(), skipped=True)
+            finally:
+                source.close()
 
         in_key = completions_key(shard_id)
         records = decode_completions(self.storage.read_bytes(in_key), what=in_key)
@@ -119,55 +127,59 @@ class ExtractLane:
         # A sample stored as one sequence per turn is several requests of the same id.
         sequences = [(record, sequence) for record in kept for sequence in record.training_sequences()]
         requests = [ExtractionRequest(record.id, sequence.input_ids) for record, sequence in sequences]
-        with self._compute_slot(shard_id):
-            isolated = run_isolating(requests, self._capture, [r.sample_id for r in requests])
-            poisoned_ids = {requests[i].sample_id for i, _ in isolated.poisoned}
-            ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # a sample is whole or dead
-            canary = self._check_canaries(shard_id, requests, isolated.results, ok)
-        check_plausible(
-            [requests[i].sample_id for i in ok],
-            [isolated.results[i].summary for i in ok],  # type: ignore[union-attr]
-            self.layer_names,
-            self.config.extract.rms_outlier_factor,
-        )
-        samples = [
-            ExtractedSample(
-                id=sequences[i][0].id,
-                input_ids=torch.tensor(sequences[i][1].input_ids, dtype=torch.int32),
-                loss_mask=torch.tensor(sequences[i][1].loss_mask, dtype=torch.uint8),
-                hidden_states=isolated.results[i].states,  # type: ignore[union-attr]
-                finish_reason=sequences[i][1].finish_reason,
-                thinking=sequences[i][0].thinking,
-                quality=sequences[i][0].quality,
-                turn=sequences[i][1].turn,
+        rows = [
+            ShardRow(
+                id=record.id,
+                input_ids=torch.tensor(sequence.input_ids, dtype=torch.int32),
+                loss_mask=torch.tensor(sequence.loss_mask, dtype=torch.uint8),
+                finish_reason=sequence.finish_reason,
+                thinking=record.thinking,
+                quality=record.quality,
+                turn=sequence.turn,
             )
-            for i in ok
+            for record, sequence in sequences
         ]
-        first_errors: dict[str, BaseException] = {}
-        for i, exc in isolated.poisoned:
-            first_errors.setdefault(requests[i].sample_id, exc)
-        poisoned = tuple(first_errors.items())
-        dead = list(first_errors)
-        if not records:
-            # Every sample of the shard was dead-lettered by the generate lane: the shard records them.
-            dead = [s.id for s in decode_prompts(self.storage.read_bytes(prompts_key(shard_id)), what=shard_id)]
-        num_tokens = sum(len(requests[i].input_ids) for i in ok)
-        del isolated
+        summaries: dict[int, torch.Tensor] = {}
+        picker = CanaryPicker(shard_id, [len(r.input_ids) for r in requests], self.config.extract.canary_samples)
         with self.uploader.stage(shard_id) as staged:
-            write_training_shard(
-                staged.path, samples, self.info, dropped=dropped, dead=dead, canary=canary  # type: ignore[arg-type]
-            )
-            size = staged.path.stat().st_size
-            num_samples = len({sample.id for sample in samples})
-            del samples
+            # States go to the staged file as each forward pass finishes: the task holds about one pass of them.
+            with TrainingShardWriter(staged.path, rows, self.info, dropped=dropped) as writer:  # type: ignore[arg-type]
+
+                def deliver(index: int, captured: CapturedStates) -> None:
+                    writer.write(index, captured.states)
+                    summaries[index] = captured.summary
+                    picker.offer(index, captured.states, captured.pass_position)
+
+                with self._compute_slot(shard_id):
+                    isolated = run_isolating_streamed(requests, self._capture, [r.sample_id for r in requests], deliver)
+                    poisoned_ids = {requests[i].sample_id for i, _ in isolated.poisoned}
+                    ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # whole or dead
+                    canary = self._check_canaries(requests, picker.chosen(ok))
+                check_plausible(
+                    [requests[i].sample_id for i in ok],
+                    [summaries[i] for i in ok],
+                    self.layer_names,
+                    self.config.extract.rms_outlier_factor,
+                )
+                first_errors: dict[str, BaseException] = {}
+                for i, exc in isolated.poisoned:
+                    first_errors.setdefault(requests[i].sample_id, exc)
+                dead = list(first_errors)
+                if not records:
+                    # Every sample of the shard was dead-lettered by the generate lane: the shard records them.
+                    dead = [s.id for s in decode_prompts(self.storage.read_bytes(prompts_key(shard_id)), what=shard_id)]
+                kept_rows = set(ok)
+                size = writer.finish(
+                    dead=dead, canary=canary, leave_out=[i for i in range(len(rows)) if i not in kept_rows]
+                )
             stored = self.uploader.upload(staged, out_key)
         stored.result()
         return ExtractSummary(
             shard_id,
-            num_samples,
-            num_tokens,
+            len({rows[i].id for i in ok}),
+            sum(len(requests[i].input_ids) for i in ok),
             size,
-            poisoned=poisoned,
+            poisoned=tuple(first_errors.items()),
             canary_samples=len(canary["samples"]) if canary else 0,
             canary_error=canary["relative_error"] if canary else None,
         )
@@ -176,50 +188,32 @@ class ExtractLane:
     def layer_names(self) -> list[str]:
         return [f"{layer} ({kind})" for layer, kind in self.extractor.captured]
 
-    def _capture(self, requests: list[ExtractionRequest]) -> list[CapturedStates]:
+    def _capture(self, requests: list[ExtractionRequest], deliver: Callable[[int, CapturedStates], None]) -> None:
         faults.check_poison("extract", (r.sample_id for r in requests))
-        return self.extractor.capture(requests, break_packing=faults.packing_broken())
+        self.extractor.capture(requests, break_packing=faults.packing_broken(), deliver=deliver)
 
     def _check_canaries(
-        self,
-        shard_id: str,
-        requests: list[ExtractionRequest],
-        results: list[CapturedStates | None],
-        ok: list[int],
+        self, requests: list[ExtractionRequest], chosen: list[tuple[int, torch.Tensor]]
     ) -> dict | None:
-        """Recompute `extract.canary_samples` samples alone and compare; raises CanaryMismatch above tolerance.
-
-        Drawn from the shard id, so a re-delivered task checks the same ones; preferably from the samples that
-        followed another in their forward pass (the first sequence of a pass sees nothing before it, so a leak
-        between sequences could not show in it) and are no longer than the shard's median, which keeps one canary
-        below an average sample's cost (a sample alone computes a little less efficiently than in a pack)."""
-        count = min(self.config.extract.canary_samples, len(ok))
-        if not count:
+        """Recompute the canary samples (see lanes/canaries.py) alone and compare; raises CanaryMismatch above
+        tolerance."""
+        if not chosen:
             return None
         tolerance = self.config.extract.canary_tolerance or default_tolerance(self.extractor.dtype)
-        lengths = {i: len(requests[i].input_ids) for i in ok}
-        median = sorted(lengths.values())[(len(ok) - 1) // 2]
-        followers = [i for i in ok if results[i].pass_position > 0]  # type: ignore[union-attr]
-        rng = random.Random(shard_id)
-        chosen: list[int] = []
-        for pool in ([i for i in followers if lengths[i] <= median], followers, ok):
-            fresh = [i for i in pool if i not in chosen]
-            chosen += rng.sample(fresh, min(count - len(chosen), len(fresh)))
-        chosen.sort()
         device = self.extractor.device
         differences = [
             check_canary(  # compared on the device: the states of a long sample are large for the host
                 requests[i].sample_id,
-                results[i].states.to(device),  # type: ignore[union-attr]
+                states.to(device),
                 self.extractor.reference_states(requests[i], on_device=True),
                 self.layer_names,
                 tolerance,
             )
-            for i in chosen
+            for i, states in chosen
         ]
         per_layer = [max(d.relative[k] for d in differences) for k in range(len(self.layer_names))]
         return {
-            "samples": [requests[i].sample_id for i in chosen],
+            "samples": [requests[i].sample_id for i, _ in chosen],
             "relative_error": max(per_layer),
             "relative_error_per_layer": per_layer,
             "worst_token_error": max(max(d.worst_token) for d in differences),

@@ -1,4 +1,5 @@
-"""Training shards: one safetensors file of many samples, concatenated along the token axis.
+"""Training shards: one safetensors file of many samples, concatenated along the token axis (written by
+`training_writer`, sample by sample).
 
 Tensors:
   input_ids      int32  [T]         prompt ids followed by completion ids, per sample
@@ -22,18 +23,16 @@ holds no tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.quality.gate import Verdict
-from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8, quantize_fp8
+from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8
 
 FORMAT = "dflash-queue/hidden-states"
 FORMAT_VERSION = "1"
@@ -44,9 +43,6 @@ HF_HIDDEN_STATES_INDEX = "layer_id + 1"
 DECODER_OUTPUT = "decoder_output"
 FINAL_NORM = "final_norm"
 LAYER_STATES = (DECODER_OUTPUT, FINAL_NORM)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 @dataclass(frozen=True)
 class ExtractedSample:
@@ -98,15 +94,20 @@ class ShardInfo:
 def validate_sample(sample: ExtractedSample, info: ShardInfo) -> None:
     """Lengths agree, shapes match the model, values are finite: checked before anything is written."""
     tokens = sample.input_ids.shape[0]
-    expected = (tokens, len(info.layer_ids), info.hidden_size)
-    if tuple(sample.hidden_states.shape) != expected:
-        raise ShardFormatError(
-            f"sample {sample.id}: hidden_states shape {tuple(sample.hidden_states.shape)}, expected {expected}"
-        )
     if sample.loss_mask.shape[0] != tokens:
         raise ShardFormatError(f"sample {sample.id}: loss_mask has {sample.loss_mask.shape[0]} tokens, not {tokens}")
-    if not torch.isfinite(sample.hidden_states).all():
-        raise NonFiniteHiddenStates(sample.id)
+    check_states(sample.id, tokens, sample.hidden_states, info)
+
+
+def check_states(sample_id: str, tokens: int, hidden_states: torch.Tensor, info: ShardInfo) -> None:
+    """One sequence's states have the shard's shape [tokens, K, H] and are finite."""
+    expected = (tokens, len(info.layer_ids), info.hidden_size)
+    if tuple(hidden_states.shape) != expected:
+        raise ShardFormatError(
+            f"sample {sample_id}: hidden_states shape {tuple(hidden_states.shape)}, expected {expected}"
+        )
+    if not torch.isfinite(hidden_states).all():
+        raise NonFiniteHiddenStates(sample_id)
 
 
 class NonFiniteHiddenStates(ShardFormatError):
@@ -118,59 +119,6 @@ class NonFiniteHiddenStates(ShardFormatError):
 def quality_entry(verdict: Verdict | None) -> dict[str, Any]:
     verdict = verdict or Verdict()
     return {"flags": list(verdict.flags), "answer_tokens": verdict.answer_tokens, "thinking": verdict.thinking}
-
-
-def write_training_shard(
-    path: Path,
-    samples: Sequence[ExtractedSample],
-    info: ShardInfo,
-    *,
-    dropped: Sequence[tuple[str, Verdict]] = (),
-    dead: Sequence[str] = (),
-    canary: dict[str, Any] | None = None,
-) -> None:
-    """Write one shard. `dropped`: (id, verdict) of samples the quality gate left out; `dead`: ids of samples
-    left out because they alone made the engine fail (each has a dead letter); `canary`: the run-time check of
-    the states (see lanes/extract.py). A shard may be empty only when every one of its samples was dropped or is
-    dead."""
-    if not samples and not dropped and not dead:
-        raise ShardFormatError("refusing to write an empty shard")
-    for sample in samples:
-        validate_sample(sample, info)
-    lengths = [s.input_ids.shape[0] for s in samples]
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    width = (len(info.layer_ids), info.hidden_size)
-    tensors = {
-        "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples])
-        if samples else torch.zeros(0, dtype=torch.int32),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples])
-        if samples else torch.zeros(0, dtype=torch.uint8),
-        "offsets": offsets,
-    }
-    # A shard whose samples were all dropped by the quality gate still has well-formed, empty tensors.
-    hidden = [s.hidden_states for s in samples] or [torch.zeros((0, *width))]
-    if info.dtype == FP8_NAME:
-        # Quantised sample by sample: a float32 copy of one sample, never of the whole shard.
-        quantized = [quantize_fp8(h) for h in hidden]
-        tensors["hidden_states"] = torch.cat([q for q, _ in quantized]).contiguous()
-        tensors[SCALES_TENSOR] = torch.cat([scales for _, scales in quantized]).contiguous()
-    else:
-        dtype = _DTYPES[info.dtype]
-        tensors["hidden_states"] = torch.cat([h.to(dtype) for h in hidden]).contiguous()
-    metadata = info.to_metadata()
-    metadata["sample_ids"] = json.dumps([s.id for s in samples])
-    metadata["finish_reasons"] = json.dumps([s.finish_reason for s in samples])
-    metadata["thinking"] = json.dumps([s.thinking for s in samples])
-    metadata["quality"] = json.dumps([quality_entry(s.quality) for s in samples])
-    metadata["dropped"] = json.dumps([{"id": i, "flags": list(v.flags)} for i, v in dropped])
-    metadata["dead_lettered"] = json.dumps(list(dead))
-    if any(s.turn is not None for s in samples):
-        # Rows of one sample, one per regenerated turn (the sample id repeats): the turn each row ends with.
-        metadata["sample_turns"] = json.dumps([s.turn for s in samples])
-    if canary is not None:
-        metadata["canary"] = json.dumps(canary)
-    save_file(tensors, str(path), metadata=metadata)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dflash_queue.shards.training import (
     NonFiniteHiddenStates,
     ShardInfo,
     TrainingShard,
-    write_training_shard,
 )
+from dflash_queue.shards.training_writer import write_training_shard
 
 INFO = ShardInfo(
     target_model="tiny",

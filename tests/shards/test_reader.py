@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.ranges import LocalFileSource
 from dflash_queue.shards.reader import ShardIndex, read_sample
-from dflash_queue.shards.training import ExtractedSample, ShardInfo, TrainingShard, write_training_shard
+from dflash_queue.shards.training import ExtractedSample, ShardInfo, TrainingShard
+from dflash_queue.shards.training_writer import write_training_shard
 
 
 def info(dtype: str = "bfloat16") -> ShardInfo:
