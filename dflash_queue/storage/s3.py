@@ -148,6 +148,25 @@ class S3Storage:
             return data
         raise AssertionError("unreachable")
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """Exactly `length` bytes from byte `start`, in one ranged GET: how shard readers fetch a header and then
+        one sample's rows. The recorded sha256 covers the whole object, so a range is not checked against it
+        (`inspect` checks whole objects)."""
+        if start < 0 or length < 0:
+            raise StorageError(f"{self._url(key)}: invalid byte range start={start} length={length}")
+        if length == 0:
+            return b""
+        try:
+            response = self.client.get_object(
+                Bucket=self.bucket, Key=self._full_key(key), Range=f"bytes={start}-{start + length - 1}"
+            )
+            data = response["Body"].read()
+        except Exception as exc:
+            raise translate(exc, f"read {self._url(key)} bytes {start}-{start + length - 1}") from exc
+        if len(data) != length:
+            raise StorageError(f"{self._url(key)}: asked for {length} bytes at {start}, the object holds {len(data)}")
+        return data
+
     def write_bytes(self, key: str, data: bytes) -> None:
         full = self._full_key(key)
         metadata = {SHA256_METADATA: hashlib.sha256(data).hexdigest()}

@@ -231,3 +231,37 @@ def test_crc32c_needs_the_crt_package(s3_server, s3_bucket):
         storage = make_storage(s3_server, s3_bucket, checksum_algorithm="CRC32C")
         storage.write_bytes("k", b"crc32c")
         assert "ChecksumCRC32C" in s3_server.client().head_object(Bucket=s3_bucket, Key="run/k", ChecksumMode="ENABLED")
+
+
+def test_shard_readers_fetch_byte_ranges_not_whole_objects(s3_server, s3_bucket, tmp_path):
+    import torch
+
+    from dflash_queue.shards.ranges import RangedObjectSource, open_source
+    from dflash_queue.shards.reader import ShardIndex, read_sample
+    from dflash_queue.shards.training import ExtractedSample, ShardInfo
+    from dflash_queue.shards.training_writer import write_training_shard
+
+    info = ShardInfo("tiny", (0, 1), 4, 256, "bfloat16", "abc", {})
+    samples = [
+        ExtractedSample(f"s{i}", torch.arange(100, dtype=torch.int32), torch.ones(100, dtype=torch.uint8),
+                        torch.randn(100, 2, 256), "stop", False)
+        for i in range(40)
+    ]
+    path = tmp_path / "shard.safetensors"
+    write_training_shard(path, samples, info)
+    storage = make_storage(s3_server, s3_bucket)
+    storage.write_file("shards/x.safetensors", path)
+    assert storage.read_range("shards/x.safetensors", 5, 100) == path.read_bytes()[5:105]
+    with pytest.raises(StorageAccessError):
+        storage.read_range("shards/x.safetensors", path.stat().st_size + 10, 4)
+
+    fetched: list[int] = []
+    read_range = storage.read_range
+    storage.read_range = lambda key, start, length: fetched.append(length) or read_range(key, start, length)
+    source = open_source(storage, "shards/x.safetensors")
+    assert isinstance(source, RangedObjectSource)
+    index = ShardIndex.load(source)
+    sample = read_sample(index, source, 7, torch.float32)
+    assert torch.equal(sample["hidden_states"], samples[7].hidden_states.to(torch.bfloat16).float())
+    # The header (one 64 KiB probe), the offsets and one sample's rows: not the 4 MB object.
+    assert sum(fetched) < 65536 + 2 * 100 * 2 * 256 * 2
