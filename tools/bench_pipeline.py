@@ -1,33 +1,60 @@
 #!/usr/bin/env python
-"""Queue overhead: the same job through Redis and real workers vs a direct in-process loop.
+"""Queue overhead: what Redis, Celery and the workers add per shard, against a direct loop over the same lanes.
 
-Both runs use the same engine code on the same shards; engines are loaded before timing starts (workers are
-ready, the direct loop has its lanes built). Prints pipeline_time / direct_time; the target is <= 1.25.
+The same jobs run two ways, in rounds that alternate which goes first:
 
-    .venv/bin/python tools/bench_pipeline.py [--samples 64] [--model .cache/tiny-qwen3]
+  pipeline: the producer stages and enqueues the job; a real generate worker and a real extract worker (engines
+            loaded before timing) run it; timed from the start of enqueue until the ledger shows every shard done;
+  direct:   the same lanes in one process (started like a worker, in a session of its own), shard after shard
+            (prompt file written, generate, extract), on storage of its own; timed from the first prompt file
+            written to the last shard extracted.
+
+Each round has a job of its own (the same prompts with a round tag, so new shards), so both ways do fresh work
+every time with the same resident engines. Torch runs `--torch-threads` threads in every process (default 1):
+on a shared two-core machine more threads than free cores make torch's thread pool spin, which slowed one
+shard's generation 10-30x in measurements and drowned what is being measured here.
+
+Prints per round the load average, both times and (pipeline - direct) / shards in ms (target <= 50), then the
+pipeline's time per shard by phase, from Celery's task events and the lanes' busy-time counters:
+
+  staging        enqueue start -> first generate task started (reading, length filter, prompt files, send)
+  generate/extract lane      the lane's own work (its busy time), against the direct loop's
+  generate/extract task      the rest of each task: delivery count, ledger writes, dead-letter settle, chain
+  generate/extract dispatch  a worker idle while a message for it waited (broker -> worker -> pool thread)
+  finish         last task finished -> the waiting loop saw every shard done
+
+The pipeline runs its two lanes in two processes at once (as a deployment does on two devices), so
+pipeline - direct is what the queue costs net of that overlap; the phase table shows the gross costs.
+
+    .venv/bin/python tools/bench_pipeline.py [--samples 256] [--shard-size 8] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_queue.config import load_config  # noqa: E402
+from dflash_queue.config import Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.lanes.extract import ExtractLane, build_extractor  # noqa: E402
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine  # noqa: E402
 from dflash_queue.ledger import DONE, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
-from dflash_queue.queue.app import configure_app  # noqa: E402
+from dflash_queue.queue.app import EXTRACT_TASK, GENERATE_TASK, configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
@@ -37,87 +64,363 @@ from dflash_queue.testing.configs import tiny_config_tables, write_config  # noq
 from dflash_queue.testing.polling import wait_for_states  # noqa: E402
 from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
 
+LANE_OF = {GENERATE_TASK: "generate", EXTRACT_TASK: "extract"}
 
-def make_dataset(count: int, out: Path) -> Path:
-    """`count` distinct prompts from the example files (numbered variants once they run out)."""
+
+def make_dataset(count: int, out: Path, tag: str = "") -> Path:
+    """`count` distinct prompts from the example files (numbered variants once they run out); a `tag` is appended
+    to every first user turn, so each tag makes other samples (and shards) from the same prompts."""
     rows = []
     for path in sorted((REPO / "examples").glob("*.jsonl")):
         rows.extend(json.loads(line) for line in path.read_text().splitlines() if line.strip())
     lines = []
     for index in range(count):
         row = json.loads(json.dumps(rows[index % len(rows)]))
-        if index >= len(rows):
+        suffix = (f" (variant {index // len(rows)})" if index >= len(rows) else "") + (f" ({tag})" if tag else "")
+        if suffix:
             turns = row.get("conversations") or row["messages"]
             key = "value" if "conversations" in row else "content"
             first_user = next(t for t in turns if t.get("from", t.get("role")) in ("human", "user"))
-            first_user[key] += f" (variant {index // len(rows)})"
+            first_user[key] += suffix
         lines.append(json.dumps(row))
     out.write_text("\n".join(lines) + "\n")
     return out
 
 
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+@dataclass
+class TaskTimes:
+    lane: str
+    shard_id: str
+    sent: float | None = None
+    started: float | None = None
+    succeeded: float | None = None
+    runtime: float | None = None
+
+
+class TaskEvents:
+    """Celery's task events (sent, started, succeeded) collected in a thread, keyed by task id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.tasks: dict[str, TaskTimes] = {}
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._receiver = None
+        self._thread = threading.Thread(target=self._run, name="bench-events", daemon=True)
+
+    def __enter__(self) -> TaskEvents:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the event receiver did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._receiver is not None:
+            self._receiver.should_stop = True
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        with self.app.connection_for_read() as connection:
+            self._receiver = self.app.events.Receiver(connection, handlers={"*": self._on_event})
+            consumer = self._receiver.consume(limit=None, timeout=None, wakeup=False)
+            self._ready.set()
+            for _ in consumer:
+                pass
+
+    def _on_event(self, event: dict) -> None:
+        kind = event.get("type", "")
+        if not kind.startswith("task-"):
+            return
+        with self._lock:
+            if kind == "task-sent":
+                lane = LANE_OF.get(event.get("name", ""))
+                if lane is None:
+                    return
+                shard_id = ast.literal_eval(event["args"])[0]
+                times = self.tasks.setdefault(event["uuid"], TaskTimes(lane, shard_id))
+                times.sent = event["timestamp"]
+            elif event.get("uuid") in self.tasks:
+                times = self.tasks[event["uuid"]]
+                if kind == "task-started":
+                    times.started = event["timestamp"]
+                elif kind == "task-succeeded":
+                    times.succeeded = event["timestamp"]
+                    times.runtime = event.get("runtime")
+
+    def of(self, shard_ids: set[str], timeout: float = 10.0) -> dict[str, list[TaskTimes]]:
+        """Each lane's tasks for these shards, in start order, once every one has its succeeded event."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                tasks = [t for t in self.tasks.values() if t.shard_id in shard_ids]
+            complete = [t for t in tasks if None not in (t.sent, t.started, t.succeeded, t.runtime)]
+            if len(complete) >= 2 * len(shard_ids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        lanes: dict[str, list[TaskTimes]] = {"generate": [], "extract": []}
+        for task in sorted(complete, key=lambda t: t.started):
+            lanes[task.lane].append(task)
+        missing = 2 * len(shard_ids) - len(complete)
+        if missing:
+            print(f"  ({missing} of {2 * len(shard_ids)} tasks lack an event; their phases are left out)", flush=True)
+        return lanes
+
+
+def dispatch_gaps(tasks: list[TaskTimes]) -> float:
+    """Seconds a lane's worker sat idle while a message for it waited: each task's start minus the later of
+    its sending and the previous task's end (one task at a time)."""
+    gaps, free_at = 0.0, float("-inf")
+    for task in tasks:
+        gaps += task.started - max(task.sent, free_at)
+        free_at = task.succeeded
+    return gaps
+
+
+@dataclass
+class Round:
+    load_before: float
+    pipeline_s: float
+    direct_s: float
+    shards: int
+    phases: dict[str, float] = field(default_factory=dict)  # seconds, whole job
+
+    @property
+    def overhead_ms(self) -> float:
+        return 1000 * (self.pipeline_s - self.direct_s) / self.shards
+
+
+class Pipeline:
+    """Two real workers, ready; runs one job at a time through the producer and times it."""
+
+    def __init__(self, config: Config, env: dict[str, str], logs: Path) -> None:
+        self.config = config
+        self.app = configure_app(config)
+        self.ledger = Ledger.from_url(config.broker.url, config.run.name)
+        self.workers = [
+            WorkerProcess(lane, Path(config.source), env, logs / f"{lane}.log", hostname=f"{lane}@bench")
+            for lane in ("generate", "extract")
+        ]
+        self.events = TaskEvents(self.app)
+
+    def __enter__(self) -> Pipeline:
+        try:
+            for worker in self.workers:
+                worker.wait_ready(self.app, timeout=300)
+            self.events.__enter__()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.events.__exit__()
+        for worker in self.workers:
+            worker.stop()
+
+    def run(self, dataset: Path) -> tuple[float, list[str], dict[str, float]]:
+        busy_before = self.ledger.counters()
+        self.timeline: list[dict] = []
+        started_wall, started = time.time(), time.perf_counter()
+        report = Producer(self.config, self.ledger).enqueue([dataset])
+        wait_for_states(self.ledger, report.shard_ids, {DONE}, timeout=1800, workers=self.workers, poll_s=0.005)
+        elapsed = time.perf_counter() - started
+        seen_wall = started_wall + elapsed
+        busy = {k: v - busy_before.get(k, 0) for k, v in self.ledger.counters().items()}
+        lanes = self.events.of(set(report.shard_ids))
+        phases = {"staging": min(t.started for t in lanes["generate"]) - started_wall}
+        shards = len(report.shard_ids)
+        for lane, tasks in lanes.items():
+            lane_s = busy[f"{lane}_busy_ms"] / 1000
+            phases[f"{lane} lane"] = lane_s
+            # Scaled up to every shard where a task's events were lost.
+            share = len(tasks) / shards
+            phases[f"{lane} task"] = (sum(t.runtime for t in tasks) - lane_s * share) / share
+            phases[f"{lane} dispatch"] = dispatch_gaps(tasks) / share
+        phases["finish"] = seen_wall - max(t.succeeded for t in lanes["extract"])
+        self.timeline = [
+            {"lane": lane, "shard": t.shard_id}
+            | {k: round(getattr(t, k) - started_wall, 4) for k in ("sent", "started", "succeeded")}
+            for lane, tasks in lanes.items()
+            for t in tasks
+        ]
+        return elapsed, report.shard_ids, phases
+
+
+class DirectProcess:
+    """`Direct` in a child process of its own session, as each worker is: on a machine shared with other jobs the
+    scheduler shares CPU time between sessions, so the direct loop must not run in a session of its own making
+    that the workers do not share (or in this process, next to the event thread)."""
+
+    def __init__(self, config: Config, env: dict[str, str], log: Path) -> None:
+        self._log = open(log, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--serve-direct", str(config.source)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            start_new_session=True,
+        )
+        self._call("ready")
+
+    def _call(self, line: str):
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"the direct loop exited with {self.process.wait()}: see {self._log.name}")
+        return json.loads(answer)
+
+    def run(self, dataset: Path) -> tuple[float, list[str], dict[str, float]]:
+        elapsed, shard_ids, phases = self._call(str(dataset))
+        return elapsed, shard_ids, phases
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self._log.close()
+
+
+def serve_direct(config_path: str) -> None:
+    """The child side of DirectProcess: a dataset path per line in, (seconds, shard ids, phases) as JSON out."""
+    # Answers go to the original stdout; anything else printed goes to the log with stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    direct = Direct(load_config(config_path))
+    try:
+        for line in sys.stdin:
+            answer = "ready" if line.strip() == "ready" else direct.run(Path(line.strip()))
+            print(json.dumps(answer), file=answers, flush=True)
+    finally:
+        direct.close()
+
+
+class Direct:
+    """The same lanes in one process, on storage of their own."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.storage = open_storage(config.storage.url)
+        self.generate = GenerateLane(config, build_generate_engine(config), self.storage)
+        self.extract = ExtractLane(config, build_extractor(config), self.storage)
+
+    def run(self, dataset: Path) -> tuple[float, list[str], dict[str, float]]:
+        samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
+        size = self.config.dataset.shard_size
+        phases = {"generate lane": 0.0, "extract lane": 0.0}
+        shard_ids = []
+        started = time.perf_counter()
+        for begin in range(0, len(samples), size):
+            shard = samples[begin : begin + size]
+            shard_id = prompt_shard_id(shard)
+            self.storage.write_bytes(prompts_key(shard_id), encode_prompts(shard))
+            t0 = time.perf_counter()
+            self.generate.run(shard_id)
+            t1 = time.perf_counter()
+            self.extract.run(shard_id)
+            phases["generate lane"] += t1 - t0
+            phases["extract lane"] += time.perf_counter() - t1
+            shard_ids.append(shard_id)
+        return time.perf_counter() - started, shard_ids, phases
+
+    def close(self) -> None:
+        self.generate.close()
+        self.extract.close()
+
+
+PHASES = (
+    "staging",
+    "generate lane",
+    "generate task",
+    "generate dispatch",
+    "extract lane",
+    "extract task",
+    "extract dispatch",
+    "finish",
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=256, help="samples per job (each round runs one job each way)")
     parser.add_argument("--shard-size", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch threads in every process")
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3")
+    parser.add_argument("--timeline", type=Path, help="write every pipeline task's times (s from enqueue) as JSON")
+    parser.add_argument("--serve-direct", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.serve_direct:
+        return serve_direct(args.serve_direct)
+    threads = str(args.torch_threads)
+    os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
 
     model = build_tiny_model(args.model)
+    rounds: list[Round] = []
+    direct_phases: list[dict[str, float]] = []
+    timelines: list[list[dict]] = []
     with tempfile.TemporaryDirectory(prefix="dfq-bench-") as tmp_name, RedisServer(Path(tmp_name) / "redis") as redis:
         tmp = Path(tmp_name)
-        dataset = make_dataset(args.samples, tmp / "prompts.jsonl")
         tables = tiny_config_tables(model, tmp / "queued", redis.url, tmp / "state")
         overrides = {
             "dataset": {"shard_size": args.shard_size, "thinking": "always"},
             "generate.sampling": {"max_tokens": args.max_tokens, "temperature": 0.8},
         }
         config = load_config(write_config(tmp / "bench.toml", tables, **overrides))
-        app = configure_app(config)
-
-        # Through the queues: workers ready first, then enqueue and wait for every shard to be done.
-        env = {**os.environ}
-        workers = [
-            WorkerProcess(lane, Path(config.source), env, tmp / f"{lane}.log", hostname=f"{lane}@bench")
-            for lane in ("generate", "extract")
-        ]
+        direct_tables = tiny_config_tables(model, tmp / "direct", redis.url, tmp / "direct-state")
+        direct_config = load_config(write_config(tmp / "direct.toml", direct_tables, **overrides))
+        direct = DirectProcess(direct_config, dict(os.environ), tmp / "direct.log")
         try:
-            for worker in workers:
-                worker.wait_ready(app, timeout=300)
-            ledger = Ledger.from_url(redis.url, config.run.name)
-            started = time.perf_counter()
-            report = Producer(config, ledger).enqueue([dataset])
-            wait_for_states(ledger, report.shard_ids, {DONE}, timeout=1800, workers=workers)
-            pipeline_s = time.perf_counter() - started
+            with Pipeline(config, dict(os.environ), tmp) as pipeline:
+                for index in range(args.rounds):
+                    dataset = make_dataset(args.samples, tmp / f"prompts-{index}.jsonl", tag=f"round {index}")
+                    load = load_average()
+                    order = ("pipeline", "direct") if index % 2 == 0 else ("direct", "pipeline")
+                    results = {}
+                    for way in order:
+                        results[way] = (pipeline if way == "pipeline" else direct).run(dataset)
+                    pipeline_s, queued_ids, phases = results["pipeline"]
+                    direct_s, direct_ids, lanes = results["direct"]
+                    assert queued_ids == direct_ids, "the pipeline and the direct loop made different shards"
+                    rounds.append(Round(load, pipeline_s, direct_s, len(direct_ids), phases))
+                    direct_phases.append(lanes)
+                    timelines.append(pipeline.timeline)
+                    print(
+                        f"round {index + 1} ({' then '.join(order)}), load {load:.2f}: pipeline {pipeline_s:.2f} s, "
+                        f"direct {direct_s:.2f} s, (pipeline - direct) / shards = {rounds[-1].overhead_ms:+.1f} ms",
+                        flush=True,
+                    )
         finally:
-            for worker in workers:
-                worker.stop()
+            direct.close()
 
-        # Direct: the same lanes in one process, shard after shard, on fresh storage.
-        direct_config = config.with_overrides(storage={"url": str(tmp / "direct")})
-        storage = open_storage(direct_config.storage.url)
-        generate = GenerateLane(direct_config, build_generate_engine(direct_config), storage)
-        extract = ExtractLane(direct_config, build_extractor(direct_config), storage)
-        samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
-        started = time.perf_counter()
-        shard_ids = []
-        for begin in range(0, len(samples), args.shard_size):
-            shard = samples[begin : begin + args.shard_size]
-            shard_id = prompt_shard_id(shard)
-            storage.write_bytes(prompts_key(shard_id), encode_prompts(shard))
-            generate.run(shard_id)
-            extract.run(shard_id)
-            shard_ids.append(shard_id)
-        direct_s = time.perf_counter() - started
-        assert shard_ids == report.shard_ids
-
-    print(f"samples: {args.samples} in {len(shard_ids)} shards, max_tokens {args.max_tokens}")
-    print(f"pipeline (Redis + 2 workers): {pipeline_s:.2f} s")
-    print(f"direct in-process loop:       {direct_s:.2f} s")
-    print(f"pipeline_time / direct_time = {pipeline_s / direct_s:.3f}  (target <= 1.25)")
+    if args.timeline:
+        args.timeline.write_text(json.dumps(timelines, indent=1))
+    shards = rounds[0].shards
+    print()
+    print(f"job: {args.samples} samples in {shards} shards of {args.shard_size}, max_tokens {args.max_tokens}, "
+          f"torch threads {args.torch_threads}; {len(rounds)} rounds; load average (1 min) at each round's start: "
+          + ", ".join(f"{r.load_before:.2f}" for r in rounds))
+    print("per shard, ms (median of rounds) | pipeline | direct")
+    for name in PHASES:
+        queued = statistics.median(1000 * r.phases[name] / shards for r in rounds)
+        mine = [1000 * d[name] / shards for d in direct_phases if name in d]
+        alone = f"{statistics.median(mine):9.1f}" if mine else ""
+        print(f"  {name:<18} {queued:9.1f} | {alone}")
+    print(f"pipeline: median {statistics.median(r.pipeline_s for r in rounds):.2f} s; "
+          f"direct: median {statistics.median(r.direct_s for r in rounds):.2f} s")
+    critical = ("staging", "generate task", "generate dispatch", "finish")
+    queued = statistics.median(sum(1000 * r.phases[name] for name in critical) / shards for r in rounds)
+    print(f"the queue's own time on the generate lane's path ({' + '.join(critical)}): {queued:.1f} ms per shard")
+    overhead = statistics.median(r.overhead_ms for r in rounds)
+    print(f"(pipeline - direct) / shards = {overhead:+.1f} ms (median of rounds; target <= 50 ms)")
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ def wait_until(predicate, timeout: float, what: str, workers: Iterable = (), pol
         time.sleep(poll_s)
 
 
-def wait_for_states(ledger, shard_ids, wanted: set[str], timeout: float, workers=()) -> dict[str, str]:
-    """Poll the ledger until every shard is in one of `wanted`, failing early if a worker died."""
+def wait_for_states(
+    ledger, shard_ids, wanted: set[str], timeout: float, workers=(), poll_s: float = 0.2
+) -> dict[str, str]:
+    """Poll the ledger every `poll_s` until every shard is in one of `wanted`, failing early if a worker died."""
     shard_ids = list(shard_ids)
     last: dict[str, str] = {}
 
@@ -33,6 +35,6 @@ def wait_for_states(ledger, shard_ids, wanted: set[str], timeout: float, workers
         return dict(last) if len(last) == len(shard_ids) and set(last.values()) <= wanted else None
 
     try:
-        return wait_until(reached, timeout, f"shards {wanted}", workers)
+        return wait_until(reached, timeout, f"shards {wanted}", workers, poll_s=poll_s)
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nstates {last}") from None
