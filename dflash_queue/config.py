@@ -263,8 +263,8 @@ class ExtractConfig(_Section):
     # fp8_e4m3: half the bytes of bfloat16, one fp32 scale per token and layer; readers dequantise.
     hidden_dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = "bfloat16"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    # CUDA: captured layers go to pinned host memory asynchronously while the next pack computes. Pinned memory
-    # up to one shard's hidden states stays cached by torch; off: plain synchronous copies.
+    # CUDA: captured layers go to pinned host memory asynchronously while the next pack computes (two packs'
+    # states at a time, cached by torch's pinned allocator); off: plain synchronous copies.
     pin_memory: bool = True
     # How sequences share a forward pass. "auto": packed in one row where every token mixer of the model can be
     # confined to its sequence (attention with windows, soft-capping and sinks; Qwen3.5/Qwen3-Next linear
@@ -283,6 +283,9 @@ class ExtractConfig(_Section):
     # A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
     # that layer fails the task (with all-zero and constant layers): states no forward pass gives.
     rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
+    # `plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
+    # larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object.
+    max_shard_bytes: Annotated[int, Field(ge=1)] = 8 * 10**9
 
     @model_validator(mode="after")
     def _layer_ids_distinct(self) -> ExtractConfig:

@@ -52,6 +52,8 @@ def test_config_objects_are_frozen(tmp_path, model_dir):
         ({"generate.sampling": {"temperature": -1.0}}, "generate.sampling.temperature", "greater than or equal"),
         ({"broker": {"visibility_timeout_s": 60, "task_timeout_s": 120}}, "broker", "must exceed task_timeout_s"),
         ({"extract": {"layer_ids": [1, 1]}}, "extract", "distinct"),
+        ({"extract": {"max_shard_bytes": 0}}, "extract.max_shard_bytes", "greater than or equal to 1"),
+        ({"extract": {"max_shard_bytes": "8GB"}}, "extract.max_shard_bytes", "valid integer"),
         ({"dataset": {"thinking": "sometimes"}}, "dataset.thinking", "'always', 'never' or 'auto'"),
         ({"dataset": {"regenerate": "first"}}, "dataset.regenerate", "'last' or 'all'"),
         ({"quality": {"on_stub": "ignore"}}, "quality.on_stub", "'off', 'flag', 'drop' or 'retry'"),

@@ -67,6 +67,7 @@ def plan(
         model_shape,
         policy_output_tokens,
     )
+    from dflash_queue.ops.shard_sizing import size_shards
 
     config = load(config_path)
     if gpus % gpus_per_worker:
@@ -115,6 +116,9 @@ def plan(
             gpus_per_worker=gpus_per_worker,
             subsets=list(subset),
             thinking_policy=config.dataset.thinking,
+            shards=size_shards(
+                config, shape.num_layers_kept, shape.hidden_size, stats.mean_prompt_tokens + output
+            ),
         )
     )
     if as_json:

@@ -11,6 +11,7 @@ from rich.text import Text
 
 from dflash_queue.ops import humanize
 from dflash_queue.ops.planner import BYTES_PER_VALUE, ModelShape, PromptStats, hidden_state_bytes, schedule
+from dflash_queue.ops.shard_sizing import ShardSizing
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class PlanInputs:
     gpus_per_worker: int
     subsets: Sequence[int]
     thinking_policy: str
+    shards: ShardSizing | None = None
 
 
 def build_plan(inputs: PlanInputs) -> dict:
@@ -79,6 +81,7 @@ def build_plan(inputs: PlanInputs) -> dict:
                 for name, size in BYTES_PER_VALUE.items()
             },
         },
+        "shards": inputs.shards.to_dict() if inputs.shards else None,
         "gpus": inputs.gpus,
         "gpus_per_worker": inputs.gpus_per_worker,
         "populations": populations,
@@ -109,7 +112,28 @@ def render_plan(plan: dict) -> Group:
         f"K={hs['layers']} x hidden {hs['hidden_size']:,} over {humanize.count(hs['tokens'])} tokens: "
         f"bf16 {humanize.size(hs['bf16_bytes'])} · fp8 {humanize.size(hs['fp8_bytes'])}",
     )
-    parts = [facts]
+    parts: list = [facts]
+    shards = plan.get("shards")
+    if shards:
+        facts.add_row(
+            "shards",
+            f"{shards['samples']:,} samples x {shards['tokens_per_sample']:,.0f} tokens: "
+            f"{humanize.size(shards['shard_bytes'])} each (extract.max_shard_bytes {humanize.size(shards['max_shard_bytes'])})",
+        )
+        facts.add_row(
+            "extract worker",
+            f"host memory {humanize.size(shards['task_host_bytes'])} beyond the model (one task computes; "
+            f"{shards['task_slots']} task slots), staging disk {humanize.size(shards['staging_bytes'])}",
+        )
+        if shards["too_large"]:
+            per_sample = shards["shard_bytes"] / shards["samples"]
+            fits = max(1, int(shards["max_shard_bytes"] // per_sample))
+            parts.append(Text(
+                f"warning: a shard would be {humanize.size(shards['shard_bytes'])}, above extract.max_shard_bytes "
+                f"({humanize.size(shards['max_shard_bytes'])}): set dataset.shard_size to {fits:,} or less, or "
+                "store fp8 (extract.hidden_dtype = \"fp8_e4m3\")",
+                style="bold yellow",
+            ))
     workers = plan["gpus"] // plan["gpus_per_worker"]
     lanes = (("generate", "generation (generated tokens)"), ("extract", "extraction (prompt + completion tokens)"))
     for lane, what in lanes:

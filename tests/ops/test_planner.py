@@ -61,6 +61,21 @@ def test_hidden_state_storage():
     assert hidden_state_bytes(1, 1, 10, 2) == 20
 
 
+def test_shard_size_and_extract_worker_memory_at_the_target_shape():
+    from dflash_queue.ops.shard_sizing import shard_bytes, task_host_bytes
+
+    # 256 samples x 1,750 tokens, K=5, hidden 5120: per token 51,200 B of bf16 states + 4 B id + 1 B mask.
+    assert shard_bytes(256, 1750, 5, 5120, "bfloat16") == 256 * 1750 * 51_205 + 8 * 257  # 22.9 GB
+    assert shard_bytes(256, 1750, 5, 5120, "fp8_e4m3") == 256 * 1750 * (25_600 + 5 + 20) + 8 * 257
+    # Two passes of 16,384 tokens in bf16, one sequence converted, one canary copy: 1.86 GB whatever the shard.
+    host = task_host_bytes(token_budget=16384, longest_tokens=1750, num_layers=5, hidden_size=5120, model_bytes=2,
+                           hidden_dtype="bfloat16", canary_samples=1)
+    assert host == 2 * 16384 * 25_600 * 2 + 1750 * 25_600 * 2 + 1750 * 25_600 * 2
+    # A sequence longer than the budget runs alone: the pass is that long; fp8 converts through float32.
+    assert task_host_bytes(token_budget=100, longest_tokens=300, num_layers=1, hidden_size=10, model_bytes=4,
+                           hidden_dtype="fp8_e4m3", canary_samples=0, activation_bytes=7) == 2 * 300 * 10 * 4 + 300 * 40 + 7
+
+
 def test_model_shape_of_a_multimodal_checkpoint_counts_the_final_norm_entry(make_config, tiny_family):
     from dflash_queue.ops.planner import model_shape
 
@@ -158,6 +173,32 @@ def test_plan_command_end_to_end(make_config, tiny_model):
     assert subset["wall_s"] == pytest.approx(300_000 * 48 / 1200 / 2)  # two workers
     assert subset["gpu_hours"] == pytest.approx(300_000 * 48 / 1200 / 3600)
     assert plan["extract"] == []
+    shards = plan["shards"]
+    per_sample = exact / 50 + 48
+    assert shards["samples"] == 8 and shards["tokens_per_sample"] == pytest.approx(per_sample)
+    assert shards["shard_bytes"] == pytest.approx(8 * per_sample * (3 * 128 * 2 + 5) + 8 * 9)
+    assert shards["task_slots"] == 3 and shards["staging_bytes"] == pytest.approx(2 * shards["shard_bytes"])
+    assert shards["task_host_bytes"] == pytest.approx(
+        2 * 2048 * 3 * 128 * 4 + per_sample * 3 * 128 * 2 + per_sample * 3 * 128 * 4  # float32 model, bf16 stored
+    )
+    assert not shards["too_large"]
+
+
+def test_plan_warns_when_a_shard_would_exceed_max_shard_bytes(make_config):
+    config = make_config(extract={"max_shard_bytes": 100_000}, **{"generate.sampling": {"max_tokens": 48}})
+    assert plan_json(config)["shards"]["too_large"]
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", config.source],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "400"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "above extract.max_shard_bytes (100.0 KB)" in result.stdout
+    assert "set dataset.shard_size to" in result.stdout
+    quiet = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", make_config("big.toml").source],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "400"},
+    )
+    assert "extract worker" in quiet.stdout and "warning" not in quiet.stdout
 
 
 def test_plan_uses_a_runs_measured_averages(make_config, redis_url):
