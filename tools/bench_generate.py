@@ -1,16 +1,22 @@
 #!/usr/bin/env python
 """Generate-lane throughput on vLLM: the pipeline against offline vLLM and a one-shard-at-a-time worker.
 
-The same prompts, with the same per-request seeds (so the same replies, token for token), three ways:
+The same prompts, with the same per-request seeds, three ways, doing the same work:
 
   (a) offline: one `LLM.generate` over all prompts at once, the upper bound;
   (b) pipeline: a real `dflash-queue worker generate` (vLLM engine, `--inflight` tasks at once) fed through
       Redis; timed from the start of enqueue until every shard is generated (extraction is not run);
   (c) naive: the same worker and queue with one task at a time, so each shard waits for its slowest reply.
 
-Reply lengths are heavy-tailed: at temperature 1 the tiny model ends a reply with probability ~3% per token,
-so lengths are roughly geometric (a shard of 64 has a longest reply several times its mean). Engines are
-started before timing. Prints output tokens/s for each and the ratios b/a (target >= 0.85) and b/c (> 1).
+The quality gate is off in the benchmark's config (every check "off"), so the queued runs generate each reply
+once and keep it, as (a) does; (a) renders the prompts from the samples as the producer staged them for (b) (the
+thinking policy applied). The bench reads every completions shard back and exits with an error unless (b) and
+(c) hold the replies of (a), token for token.
+
+Reply lengths are heavy-tailed like thinking output (median ~35, mean ~165, p99 at the cap): the benchmark's model
+(`build_long_tail_model`) ends a reply at temperature 1 with probability ~2% per token, or, with a smaller chance
+per token, starts repeating one token and then runs to the cap. Engines are started before timing. Prints output
+tokens/s for each and the ratios b/a (target >= 0.9) and b/c (> 1).
 
     .venv/bin/python tools/bench_generate.py [--samples 1024] [--shard-size 64] [--inflight 3]
 """
@@ -18,7 +24,9 @@ started before timing. Prints output tokens/s for each and the ratios b/a (targe
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -37,6 +45,11 @@ from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.engines.base import GenerationRequest  # noqa: E402
 from dflash_queue.engines.chat import ChatFormatter  # noqa: E402
 from dflash_queue.engines.vllm_generate import engine_args, prepare_environment, sampling_kwargs  # noqa: E402
+from dflash_queue.shards.completions import decode_completions  # noqa: E402
+from dflash_queue.storage import open_storage  # noqa: E402
+from dflash_queue.lanes.turns import split_turns  # noqa: E402
+from dflash_queue.shards.prompts import decode_prompts  # noqa: E402
+from dflash_queue.storage.keys import completions_key, prompts_key  # noqa: E402
 from dflash_queue.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
@@ -47,8 +60,131 @@ from dflash_queue.testing.polling import wait_for_states  # noqa: E402
 from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
 
 
-def through_queue(config: Config, dataset: Path, concurrency: int, log: Path) -> tuple[int, float]:
-    """(output tokens, seconds) from enqueue until every shard is generated, with a ready vLLM worker."""
+LONG_TAIL_VERSION = 1
+
+
+def build_long_tail_model(
+    out_dir: Path, *, eos_stop_probability: float = 0.02, loop_probability: float = 0.007, seed: int = 0
+) -> Path:
+    """The tiny model (`build_tiny_model`, into `{out_dir}-base`) with reply lengths heavy-tailed like thinking
+    output: at temperature 1 a reply ends with probability `eos_stop_probability` per token, or, with about
+    `loop_probability` per token, starts repeating one token (" lo"), which it then practically never leaves or
+    ends: such replies run to the token cap.
+
+    How: that token's embedding becomes a long vector along a direction `u` of its own, so a state whose input
+    is that token is dominated by `u`; its output row is the end-of-sequence row (whose probability is nearly
+    the same in every state) plus a shift along the states' common direction, solved so that its mean
+    probability over sampled states is `loop_probability`, plus `3 u`, which makes it win by a wide margin
+    in its own state. Built once; reused while its parameters match."""
+    params = {
+        "version": LONG_TAIL_VERSION,
+        "eos_stop_probability": eos_stop_probability,
+        "loop_probability": loop_probability,
+        "seed": seed,
+    }
+    marker = out_dir / "long_tail.json"
+    if marker.is_file() and json.loads(marker.read_text()) == params:
+        return out_dir
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_queue.testing.tiny_model import TINY_CORPUS
+
+    base = build_tiny_model(
+        out_dir.with_name(out_dir.name + "-base"), eos_stop_probability=eos_stop_probability, seed=seed
+    )
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    specials = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")]
+    eos, loop_token = specials[0], tokenizer.encode(" loop", add_special_tokens=False)[0]
+    corpus = tokenizer.encode(TINY_CORPUS, add_special_tokens=False)
+    head = tokenizer.encode("<|im_start|>user\n", add_special_tokens=False)
+    tail = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    prompts = torch.tensor([head + corpus[i * 40 : i * 40 + 24] + tail for i in range(32)])
+    generator = torch.Generator().manual_seed(seed)
+
+    def step(ids, cache):
+        out = model.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.last_hidden_state[:, -1], out.past_key_values
+
+    with torch.no_grad():
+        # States of sampled replies (never ending, never looping) at temperature 1.
+        hidden, cache = step(prompts, None)
+        states = []
+        for _ in range(128):
+            logits = model.lm_head(hidden).double()
+            logits[:, [*specials, loop_token]] = float("-inf")
+            states.append(hidden.double())
+            hidden, cache = step(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator), cache)
+        states = torch.cat(states)
+        common = states.mean(0) / states.mean(0).norm()
+        u = torch.randn(states.shape[1], generator=generator, dtype=torch.float64)
+        u -= (u @ common) * common
+        u /= u.norm()
+        embeddings = model.model.embed_tokens.weight
+        embeddings[loop_token] = (10 * embeddings.norm(dim=1).mean() * u).to(embeddings.dtype)
+        weight = model.lm_head.weight.double()
+
+        def loop_row(shift: float):
+            return weight[eos] + shift * common + 3.0 * u
+
+        def mean_probability(shift: float) -> float:
+            candidate = weight.clone()
+            candidate[loop_token] = loop_row(shift)
+            return float(torch.softmax(states @ candidate.T, -1)[:, loop_token].mean())
+
+        low, high = -64.0, 64.0
+        for _ in range(60):
+            mid = (low + high) / 2
+            low, high = (mid, high) if mean_probability(mid) < loop_probability else (low, mid)
+        model.lm_head.weight[loop_token] = loop_row((low + high) / 2).to(weight.dtype)
+
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / marker.name).write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+# Every check of the quality gate off: no retries, no drops; each prompt's reply is generated once and kept.
+GATE_OFF = {
+    "on_empty": "off",
+    "on_stub": "off",
+    "on_short": "off",
+    "on_truncated": "off",
+    "on_unclosed_thinking": "off",
+    "on_repetition": "off",
+}
+
+
+def stored_replies(config: Config, shard_ids: list[str]) -> dict[str, list[int]]:
+    """Completion token ids per sample id, read back from the run's completions shards."""
+    storage = open_storage(config.storage.url)
+    return {
+        record.id: record.completion_ids
+        for shard_id in shard_ids
+        for record in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
+    }
+
+
+def staged_samples(config: Config, shard_ids: list[str]) -> list[Sample]:
+    """The samples as the producer staged them (thinking policy applied): what the workers generated from."""
+    storage = open_storage(config.storage.url)
+    return [
+        sample
+        for shard_id in shard_ids
+        for sample in decode_prompts(storage.read_bytes(prompts_key(shard_id)), what=shard_id)
+    ]
+
+
+def through_queue(
+    config: Config, dataset: Path, concurrency: int, log: Path
+) -> tuple[dict[str, list[int]], float, list[Sample]]:
+    """(replies by sample id, seconds, staged samples) from enqueue until every shard is generated, with a ready
+    vLLM worker."""
     app = configure_app(config)
     worker = WorkerProcess(
         "generate",
@@ -63,21 +199,26 @@ def through_queue(config: Config, dataset: Path, concurrency: int, log: Path) ->
         ledger = Ledger.from_url(config.broker.url, config.run.name)
         started = time.perf_counter()
         report = Producer(config, ledger).enqueue([dataset])
-        wait_for_states(ledger, report.shard_ids, {GENERATED}, timeout=7200, workers=[worker])
+        wait_for_states(ledger, report.shard_ids, {GENERATED}, timeout=7200, workers=[worker], poll_s=0.01)
         elapsed = time.perf_counter() - started
-        return ledger.counters()["generate_completion_tokens"], elapsed
+        return stored_replies(config, report.shard_ids), elapsed, staged_samples(config, report.shard_ids)
     finally:
         worker.stop(timeout=120)
 
 
-def offline(config: Config, samples: list[Sample]) -> tuple[list[int], float]:
-    """(reply lengths, seconds) of one LLM.generate over every prompt, engine started before timing."""
+def offline(config: Config, samples: list[Sample]) -> tuple[dict[str, list[int]], float]:
+    """(replies by sample id, seconds) of one LLM.generate over every prompt, engine started before timing."""
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
     prepare_environment(config)
     formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
-    prompts = [TokensPrompt(prompt_token_ids=formatter.prompt_ids(s.messages, enable_thinking=s.thinking)) for s in samples]
+    prompts = [
+        TokensPrompt(
+            prompt_token_ids=formatter.prompt_ids(split_turns(s)[0], enable_thinking=s.thinking, tools=s.tools)
+        )
+        for s in samples
+    ]
     params = [
         SamplingParams(**sampling_kwargs(config.generate.sampling, GenerationRequest(s.id, p["prompt_token_ids"])))
         for s, p in zip(samples, prompts)
@@ -89,7 +230,7 @@ def offline(config: Config, samples: list[Sample]) -> tuple[list[int], float]:
         elapsed = time.perf_counter() - started
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return [len(o.outputs[0].token_ids) for o in outputs], elapsed
+    return {s.id: list(o.outputs[0].token_ids) for s, o in zip(samples, outputs)}, elapsed
 
 
 def main() -> None:
@@ -99,13 +240,19 @@ def main() -> None:
     parser.add_argument("--inflight", type=int, default=3, help="tasks in flight for (b)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=768, help="cap on reply length (rarely reached)")
-    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3")
+    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3-long-tail")
+    parser.add_argument("--eos-stop-probability", type=float, default=0.02, help="per-token chance a reply ends")
+    parser.add_argument(
+        "--loop-probability", type=float, default=0.007, help="per-token chance a reply starts to loop (to the cap)"
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
-    model = build_tiny_model(args.model)
+    model = build_long_tail_model(
+        args.model, eos_stop_probability=args.eos_stop_probability, loop_probability=args.loop_probability
+    )
     with tempfile.TemporaryDirectory(prefix="dfq-bench-gen-") as tmp_name, RedisServer(Path(tmp_name) / "redis") as redis:
         tmp = Path(tmp_name)
         dataset = make_dataset(args.samples, tmp / "prompts.jsonl")
@@ -118,14 +265,21 @@ def main() -> None:
                 "run": {"name": name, "state_dir": str(tmp / name / "state")},
                 "dataset": {"shard_size": args.shard_size, "thinking": "always"},
                 "generate.sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": args.max_tokens},
+                "quality": GATE_OFF,
             }
             return load_config(write_config(tmp / f"{name}.toml", tables, **overrides))
 
-        pipeline_tokens, pipeline_s = through_queue(config_for("pipeline"), dataset, args.inflight, tmp / "b.log")
-        naive_tokens, naive_s = through_queue(config_for("naive"), dataset, 1, tmp / "c.log")
-        lengths, offline_s = offline(config_for("offline"), samples)
+        pipeline_replies, pipeline_s, staged = through_queue(
+            config_for("pipeline"), dataset, args.inflight, tmp / "b.log"
+        )
+        naive_replies, naive_s, _ = through_queue(config_for("naive"), dataset, 1, tmp / "c.log")
+        # The prompts exactly as the workers had them (the producer applies the thinking policy, for one).
+        offline_replies, offline_s = offline(config_for("offline"), staged)
 
+    lengths = [len(reply) for reply in offline_replies.values()]
     offline_tokens = sum(lengths)
+    pipeline_tokens = sum(len(reply) for reply in pipeline_replies.values())
+    naive_tokens = sum(len(reply) for reply in naive_replies.values())
     rates = {
         "a": offline_tokens / offline_s,
         "b": pipeline_tokens / pipeline_s,
@@ -138,14 +292,21 @@ def main() -> None:
         f"reply lengths mean {statistics.mean(lengths):.0f}, p50 {ordered[len(ordered) // 2]}, "
         f"p99 {ordered[int(len(ordered) * 0.99)]}, max {ordered[-1]} tokens"
     )
-    same = "same replies in all three" if offline_tokens == pipeline_tokens == naive_tokens else "TOKEN COUNTS DIFFER"
-    print(f"output tokens: a {offline_tokens}, b {pipeline_tokens}, c {naive_tokens} ({same})")
+    print(f"output tokens: a {offline_tokens}, b {pipeline_tokens}, c {naive_tokens}")
     print(f"(a) offline LLM.generate, all prompts at once:        {offline_s:7.2f} s  {rates['a']:8.0f} tok/s")
     print(f"(b) pipeline, vLLM worker, {args.inflight} tasks in flight:      {pipeline_s:7.2f} s  {rates['b']:8.0f} tok/s")
     print(f"(c) naive worker, one shard at a time:                {naive_s:7.2f} s  {rates['c']:8.0f} tok/s")
     print("    (b) and (c): from enqueue to every shard generated, through Redis; extraction not run")
-    print(f"b/a = {rates['b'] / rates['a']:.3f}  (target >= 0.85)")
+    print(f"b/a = {rates['b'] / rates['a']:.3f}  (target >= 0.9)")
     print(f"b/c = {rates['b'] / rates['c']:.3f}  (target > 1)")
+    for name, replies in (("b", pipeline_replies), ("c", naive_replies)):
+        differ = [i for i in offline_replies if replies.get(i) != offline_replies[i]]
+        if differ or len(replies) != len(offline_replies):
+            raise SystemExit(
+                f"({name}) did other work than (a): {len(differ)} of {len(offline_replies)} replies differ "
+                f"({len(replies)} stored); the ratios would not compare like with like"
+            )
+    print("same replies in all three, token for token")
 
 
 if __name__ == "__main__":
