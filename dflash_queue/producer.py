@@ -42,7 +42,8 @@ from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.keys import SHARDS, prompts_key, shard_id_of
 
-# Shards per ledger round trip.
+# Shards per ledger round trip. The first groups are smaller (1, 2, 4, ...) so that workers get their first
+# messages while the rest is still being staged.
 SHARD_GROUP = 64
 # Concurrent prompt-file writes (storage latency, fsync, object-store PUTs).
 STORAGE_THREADS = 8
@@ -165,6 +166,20 @@ def batched(items: Iterable, size: int) -> Iterator[list]:
         yield batch
 
 
+def growing_batches(items: Iterable, largest: int) -> Iterator[list]:
+    """Batches of 1, 2, 4, ... items, then `largest` at most."""
+    batch: list = []
+    size = 1
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+            size = min(2 * size, largest)
+    if batch:
+        yield batch
+
+
 def checked_formatter(config: Config):
     """The target's chat template, refused (ConfigError, the message `doctor` gives) when it cannot do what
     `dataset.thinking` asks: checked before anything is staged or sent."""
@@ -222,7 +237,7 @@ class Producer:
         samples = iter_samples(self.config, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
             pending: _StagedGroup | None = None
-            for group in batched(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):
+            for group in growing_batches(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):
                 staged = self._stage_group(group, done, report, pool)
                 if pending is not None:
                     self._send_group(pending, report, send, on_shard)
