@@ -34,6 +34,7 @@ from dflash_queue.engines.state_checks import check_canary, check_plausible, def
 from dflash_queue import faults
 from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker
+from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.ranges import open_source
@@ -247,6 +248,7 @@ class ExtractLane:
 
 
 def build_extractor(config: Config) -> HiddenStateExtractor:
+    fix_mmap_threshold()  # the process that extracts keeps one pass's buffers resident, not every pass's
     return HiddenStateExtractor(
         config.model.path,
         layer_ids=config.extract.layer_ids,
