@@ -60,7 +60,9 @@ def build_lane(config: Config, lane: str, storage: Storage | None = None):
 
 def default_concurrency(config: Config, lane: str) -> int:
     """Task slots unless told otherwise: the vLLM lane keeps `inflight_tasks` shards feeding one engine; the
-    extract lane keeps one computing while up to max_pending wait for their uploads."""
+    extract lane keeps one computing while others wait for their uploads (a task holds one of the uploader's
+    max_pending staging slots from before its compute until its shard is stored; the extra slot is a task that
+    waits for a staging slot, ready to compute)."""
     if lane == "generate" and config.generate.engine == "vllm":
         return config.generate.vllm.inflight_tasks
     if lane == "extract":
