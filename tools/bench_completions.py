@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""Completions shards: encode and decode with orjson against the standard library, side by side in one run.
+"""Completions shards: reading and writing as this version does, against token ids as JSON lists of ints
+(through the standard library, as before orjson, and through orjson), side by side in one run.
 
 Realistic shards: 256 samples of ~1,750 tokens (prompt + reply, ids drawn from a 150k vocabulary), the reply's
 text (~4 characters a token, some of it non-ASCII), a quality verdict on each, and multi-turn records: a third
 regenerate every assistant turn (earlier turns as spans of the prompt), a sixth also keep an earlier turn as
-its own training sequence. Both codecs run the real `encode_completions` / `decode_completions`; rounds
+its own training sequence. Every way runs the real `encode_completions` / `decode_completions`; rounds
 alternate between them and the best round of each counts (the least disturbed by other work on the machine).
 
     .venv/bin/python tools/bench_completions.py [--samples 256] [--tokens 1750] [--rounds 7]
@@ -17,6 +18,7 @@ import hashlib
 import random
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -58,8 +60,19 @@ def make_records(samples: int, tokens: int, seed: int = 0) -> list[CompletionRec
     return records
 
 
-def best(times: list[float]) -> float:
-    return min(times)
+WAYS = {
+    "lists, standard library": (True, True),
+    "lists, orjson": (True, False),
+    "base64 ids, orjson": (False, False),
+}
+BASELINE, CURRENT = "lists, standard library", "base64 ids, orjson"
+
+
+def timed(stdlib: bool, run) -> float:
+    with jsoncodec.standard_library() if stdlib else nullcontext():
+        started = time.process_time()
+        run()
+        return time.process_time() - started
 
 
 def main() -> None:
@@ -70,40 +83,31 @@ def main() -> None:
     args = parser.parse_args()
 
     records = make_records(args.samples, args.tokens)
-    data = encode_completions(records)
-    with jsoncodec.standard_library():
-        stdlib_data = encode_completions(records)
-        assert decode_completions(data, what="bench") == records
-    assert decode_completions(stdlib_data, what="bench") == records
+    data: dict[str, bytes] = {}
+    for way, (ids_as_lists, stdlib) in WAYS.items():
+        with jsoncodec.standard_library() if stdlib else nullcontext():
+            data[way] = encode_completions(records, ids_as_lists=ids_as_lists)
+            assert decode_completions(data[way], what="bench") == records, way
     tokens = sum(r.num_tokens for r in records)
-    print(f"shard: {len(records)} records, {tokens:,} token ids, {len(data) / 1e6:.1f} MB as JSON lines "
-          f"({len(stdlib_data) / 1e6:.1f} MB from the standard library)")
+    sizes = ", ".join(f"{way} {len(blob) / 1e6:.1f} MB" for way, blob in data.items())
+    print(f"shard: {len(records)} records, {tokens:,} token ids; as JSON lines: {sizes}")
 
     timings: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
-        for codec in ("stdlib", "orjson"):
-            for step, run in (("encode", lambda: encode_completions(records)),
-                              ("decode", lambda: decode_completions(data, what="bench"))):
-                if codec == "stdlib":
-                    with jsoncodec.standard_library():
-                        started = time.process_time()
-                        run()
-                else:
-                    started = time.process_time()
-                    run()
-                timings.setdefault((codec, step), []).append(time.process_time() - started)
+        for way, (ids_as_lists, stdlib) in WAYS.items():
+            write = timed(stdlib, lambda: encode_completions(records, ids_as_lists=ids_as_lists))
+            read = timed(stdlib, lambda: decode_completions(data[way], what="bench"))
+            timings.setdefault((way, "write"), []).append(write)
+            timings.setdefault((way, "read"), []).append(read)
 
     print(f"best of {args.rounds} alternating rounds, CPU time of this process:")
-    print("| step | standard library | orjson | ratio |")
-    print("| --- | --- | --- | --- |")
-    for step in ("encode", "decode", "round trip"):
-        if step == "round trip":
-            old = best(timings["stdlib", "encode"]) + best(timings["stdlib", "decode"])
-            new = best(timings["orjson", "encode"]) + best(timings["orjson", "decode"])
-        else:
-            old, new = best(timings["stdlib", step]), best(timings["orjson", step])
-        print(f"| {step} | {old * 1e3:.1f} ms ({tokens / old / 1e6:.1f} M ids/s) | "
-              f"{new * 1e3:.1f} ms ({tokens / new / 1e6:.1f} M ids/s) | {old / new:.2f}x |")
+    print("| step | " + " | ".join(WAYS) + f" | {BASELINE} / {CURRENT} |")
+    print("| --- " * (len(WAYS) + 2) + "|")
+    for step in ("write", "read", "round trip"):
+        best = {way: (min(timings[way, step]) if step != "round trip"
+                      else min(timings[way, "write"]) + min(timings[way, "read"])) for way in WAYS}
+        cells = " | ".join(f"{best[way] * 1e3:.1f} ms ({tokens / best[way] / 1e6:.1f} M ids/s)" for way in WAYS)
+        print(f"| {step} | {cells} | {best[BASELINE] / best[CURRENT]:.2f}x |")
 
 
 if __name__ == "__main__":

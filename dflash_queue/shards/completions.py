@@ -10,16 +10,23 @@ earlier turns, as Qwen3-style templates do), no single sequence holds every repl
 the context it saw: each earlier turn is then its own training sequence (`served_turns`: that turn's prompt as
 the template rendered it, and its reply), and the main sequence trains on the last turn only.
 `training_sequences()` lists them all.
+
+Token ids are written as base64 of their little-endian uint32 bytes (`"prompt_ids": "AQAAAAIAAAA="` holds
+[1, 2]): a JSON list of ints costs a Python int object per id to parse, most of a shard's read time. Lists of
+ints, as earlier versions wrote them, read as before.
 """
 
 from __future__ import annotations
 
+import binascii
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.quality.gate import Verdict
-from dflash_queue.shards.jsonl import dump_jsonl, load_jsonl
+from dflash_queue.shards.jsonl import dump_jsonl, load_numbered_jsonl
 
 
 @dataclass(frozen=True)
@@ -47,12 +54,14 @@ class ServedTurn:
     completion_ids: list[int]
     finish_reason: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {"prompt_ids": self.prompt_ids, "completion_ids": self.completion_ids, "finish_reason": self.finish_reason}
+    def to_json(self, *, ids_as_lists: bool = False) -> dict[str, Any]:
+        ids = _ids_writer(ids_as_lists)
+        return {"prompt_ids": ids(self.prompt_ids), "completion_ids": ids(self.completion_ids),
+                "finish_reason": self.finish_reason}
 
     @classmethod
     def from_json(cls, row: dict[str, Any]) -> ServedTurn:
-        return cls(token_ids(row["prompt_ids"]), token_ids(row["completion_ids"]), str(row["finish_reason"]))
+        return cls(_ids_at(row, "prompt_ids"), _ids_at(row, "completion_ids"), str(row["finish_reason"]))
 
 
 class GeneratedTurn(NamedTuple):
@@ -143,11 +152,13 @@ class CompletionRecord:
         sequences.append(TrainingSequence(self.input_ids, self.loss_mask(), self.finish_reason, last))
         return sequences
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, ids_as_lists: bool = False) -> dict[str, Any]:
+        """The record as one JSON object; token ids as base64 (see the module's docstring), or as lists of ints."""
+        ids = _ids_writer(ids_as_lists)
         row: dict[str, Any] = {
             "id": self.id,
-            "prompt_ids": self.prompt_ids,
-            "completion_ids": self.completion_ids,
+            "prompt_ids": ids(self.prompt_ids),
+            "completion_ids": ids(self.completion_ids),
             "finish_reason": self.finish_reason,
             "thinking": self.thinking,
             "text": self.text,
@@ -158,7 +169,7 @@ class CompletionRecord:
         if self.quality is not None:
             row["quality"] = self.quality.to_json()
         if self.served_turns:
-            row["served_turns"] = [t.to_json() for t in self.served_turns]
+            row["served_turns"] = [t.to_json(ids_as_lists=ids_as_lists) for t in self.served_turns]
         return row
 
     @classmethod
@@ -166,8 +177,8 @@ class CompletionRecord:
         try:
             record = cls(
                 id=row["id"],
-                prompt_ids=token_ids(row["prompt_ids"]),
-                completion_ids=token_ids(row["completion_ids"]),
+                prompt_ids=_ids_at(row, "prompt_ids"),
+                completion_ids=_ids_at(row, "completion_ids"),
                 finish_reason=row["finish_reason"],
                 thinking=bool(row["thinking"]),
                 text=row.get("text", ""),
@@ -176,28 +187,70 @@ class CompletionRecord:
                 quality=Verdict.from_json(row["quality"]) if row.get("quality") is not None else None,
                 served_turns=tuple(ServedTurn.from_json(t) for t in row.get("served_turns", ())),
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ShardFormatError(f"completion record {row.get('id', '?')}: {exc!r}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            name = row.get("id", "?") if isinstance(row, dict) else "?"
+            raise ShardFormatError(f"completion record {name}: {exc!r}") from None
         for turn in record.earlier_turns:
             if not 0 <= turn.start <= turn.end <= len(record.prompt_ids):
                 raise ShardFormatError(f"completion record {record.id}: turn span {turn} outside the prompt")
         return record
 
 
+def encode_token_ids(ids: list[int]) -> str:
+    """Base64 of the ids as little-endian uint32; OverflowError for an id outside 0..2**32-1."""
+    packed = array(_UINT32, ids)
+    if _BIG_ENDIAN:
+        packed.byteswap()
+    return binascii.b2a_base64(packed.tobytes(), newline=False).decode("ascii")
+
+
 def token_ids(values: Any) -> list[int]:
-    """`values` as a list of ints: a decoded list of ints as it is (one type check in C), anything else
-    converted element by element with int(), which raises on what is not a token id."""
+    """Stored token ids as a list of ints: base64 as `encode_token_ids` writes it, a decoded list of ints as it
+    is (one type check in C), anything else converted element by element with int(), which raises on what is
+    not a token id."""
+    if type(values) is str:
+        try:
+            raw = binascii.a2b_base64(values, strict_mode=True)
+        except binascii.Error as exc:
+            raise ValueError(f"token ids are not base64: {exc}") from None
+        if len(raw) % 4:
+            raise ValueError(f"token ids are {len(raw)} bytes of base64, not a whole number of uint32")
+        packed = array(_UINT32)
+        packed.frombytes(raw)
+        if _BIG_ENDIAN:
+            packed.byteswap()
+        return packed.tolist()
     if type(values) is list and set(map(type, values)) <= _INT:
         return values
     return [int(t) for t in values]
 
 
+def _ids_at(row: dict[str, Any], key: str) -> list[int]:
+    try:
+        return token_ids(row[key])
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{key}: {exc}") from None
+
+
 _INT = {int}
+_BIG_ENDIAN = sys.byteorder == "big"
+_UINT32 = next(code for code in "IL" if array(code).itemsize == 4)
 
 
-def encode_completions(records: list[CompletionRecord]) -> bytes:
-    return dump_jsonl(r.to_json() for r in records)
+def _ids_writer(as_lists: bool) -> Any:
+    return list if as_lists else encode_token_ids
+
+
+def encode_completions(records: list[CompletionRecord], *, ids_as_lists: bool = False) -> bytes:
+    """JSON lines, one record each; `ids_as_lists` writes token ids as JSON lists of ints (as earlier versions did)."""
+    return dump_jsonl(r.to_json(ids_as_lists=ids_as_lists) for r in records)
 
 
 def decode_completions(data: bytes, *, what: str) -> list[CompletionRecord]:
-    return [CompletionRecord.from_json(row) for row in load_jsonl(data, what=what)]
+    records = []
+    for line_no, row in load_numbered_jsonl(data, what=what):
+        try:
+            records.append(CompletionRecord.from_json(row))
+        except ShardFormatError as exc:
+            raise ShardFormatError(f"{what}:{line_no}: {exc}") from None
+    return records

@@ -15,13 +15,18 @@ def dump_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:
 
 
 def load_jsonl(data: bytes, *, what: str) -> list[dict[str, Any]]:
+    return [row for _, row in load_numbered_jsonl(data, what=what)]
+
+
+def load_numbered_jsonl(data: bytes, *, what: str) -> list[tuple[int, dict[str, Any]]]:
+    """Each row with its line number (blank lines skipped); ShardFormatError names `what` and the line."""
     rows = []
     # Split on the newlines dump_jsonl writes, nothing else: JSON leaves U+2028 or U+0085 in text unescaped.
     for line_no, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
         try:
-            rows.append(jsoncodec.loads(line))
+            rows.append((line_no, jsoncodec.loads(line)))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             reason = exc.msg if isinstance(exc, json.JSONDecodeError) else f"invalid UTF-8 at byte {exc.start}"
             raise ShardFormatError(f"{what}:{line_no}: corrupt JSON line: {reason}") from None

@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+
+import pytest
+
+from dflash_queue import jsoncodec
+from dflash_queue.errors import ShardFormatError
+from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.completions import (
+    CompletionRecord,
+    ServedTurn,
+    TurnSpan,
+    decode_completions,
+    encode_completions,
+    encode_token_ids,
+    token_ids,
+)
+
+# Largest vocabularies are ~260k; uint32 holds every id up to 2**32 - 1.
+IDS = [0, 1, 151_643, 262_143, 2**32 - 1]
+
+
+def record(**changes) -> CompletionRecord:
+    fields = dict(
+        id="s1", prompt_ids=[7, 8, 9, 10], completion_ids=[11, 2**31], finish_reason="stop", thinking=True,
+        text="réponse ✓", source="d.jsonl:3", earlier_turns=(TurnSpan(1, 3, "stop"),),
+        quality=Verdict("keep", ("loop",), (), 5, "closed"),
+        served_turns=(ServedTurn([1, 2], [3, 262_143], "length"),),
+    )
+    fields.update(changes)
+    return CompletionRecord(**fields)
+
+
+def test_token_ids_are_stored_as_little_endian_uint32_base64():
+    # bytes 01 00 00 00 02 00 00 00
+    assert encode_token_ids([1, 2]) == "AQAAAAIAAAA="
+    assert encode_token_ids([]) == ""
+    assert token_ids("AQAAAAIAAAA=") == [1, 2]
+    assert token_ids(encode_token_ids(IDS)) == IDS
+    row = json.loads(encode_completions([record()]))
+    assert row["prompt_ids"] == "BwAAAAgAAAAJAAAACgAAAA=="
+    assert row["served_turns"][0]["completion_ids"] == "AwAAAP//AwA="
+
+
+@pytest.mark.parametrize("stdlib", [False, True], ids=["orjson", "stdlib"])
+def test_records_round_trip(stdlib):
+    records = [record(), record(id="s2", prompt_ids=[], completion_ids=[], earlier_turns=(), quality=None,
+                                served_turns=(), thinking=False)]
+    with jsoncodec.standard_library() if stdlib else nullcontext():
+        assert decode_completions(encode_completions(records), what="c") == records
+
+
+def test_shards_with_ids_as_lists_read_the_same():
+    listed = encode_completions([record()], ids_as_lists=True)
+    row = json.loads(listed)
+    assert row["prompt_ids"] == [7, 8, 9, 10] and row["served_turns"][0]["prompt_ids"] == [1, 2]
+    assert decode_completions(listed, what="c") == [record()]
+    # As a version that wrote lists wrote it, key for key.
+    old = (b'{"id":"s3","prompt_ids":[5,6],"completion_ids":[7],"finish_reason":"length","thinking":false,'
+           b'"text":"t","source":"a.jsonl:1"}\n')
+    assert decode_completions(old, what="c") == [
+        CompletionRecord("s3", [5, 6], [7], "length", False, "t", "a.jsonl:1")
+    ]
+
+
+def test_ids_outside_uint32_are_refused_when_written():
+    for bad in ([-1], [2**32]):
+        with pytest.raises(OverflowError):
+            encode_completions([record(completion_ids=bad)])
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ('"AQAAAAIAAA"', "completion_ids: token ids are not base64"),
+        ('"AQAAAAIA"', "completion_ids: token ids are 6 bytes of base64, not a whole number of uint32"),
+        ('"AQ*AAAIAAAA="', "completion_ids: token ids are not base64"),
+        ('[1, "x"]', "invalid literal for int"),
+    ],
+)
+def test_bad_ids_name_the_file_line_record_and_key(value, reason):
+    good = encode_completions([record()])
+    bad = ('{"id":"s9","prompt_ids":[1],"completion_ids":%s,"finish_reason":"stop","thinking":true}\n' % value)
+    with pytest.raises(ShardFormatError, match=r"^c\.jsonl:2: completion record s9: ") as caught:
+        decode_completions(good + bad.encode(), what="c.jsonl")
+    assert reason in str(caught.value)
+
+
+def test_a_line_that_is_not_an_object_is_a_format_error():
+    with pytest.raises(ShardFormatError, match=r"^c:1: completion record \?: "):
+        decode_completions(b"[1, 2]\n", what="c")
+
