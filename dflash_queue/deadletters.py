@@ -25,6 +25,8 @@ from dflash_queue import jsoncodec
 TASK = "task"
 SAMPLE = "sample"
 MESSAGE = "message"
+# The lane of a record whose task name or queue names no lane.
+UNKNOWN_LANE = "unknown"
 
 # Fields kept from an exception's traceback; the head of a long traceback says little.
 TRACEBACK_CHARS = 8000
@@ -78,7 +80,7 @@ def record_id(kind: str, lane: str, shard_id: str = "", sample_ids: Sequence[str
         return f"{lane}:{shard_id}"
     if kind == SAMPLE:
         return f"{lane}:{shard_id}:{','.join(sample_ids)}"
-    return f"{lane or 'unknown'}:message:{task_id}"
+    return f"{lane or UNKNOWN_LANE}:message:{task_id}"
 
 
 def exception_fields(exc: BaseException) -> dict[str, str]:

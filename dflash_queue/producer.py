@@ -335,6 +335,7 @@ class Producer:
 
 
 def _send_generate(shard_id: str, num_samples: int, fingerprint: str) -> None:
-    from dflash_queue.queue.tasks import generate_shard
+    from dflash_queue.lanes.registry import FIRST_LANE
+    from dflash_queue.queue.tasks import send_to_lane
 
-    generate_shard.apply_async(args=(shard_id, num_samples, fingerprint))
+    send_to_lane(FIRST_LANE.name, shard_id, num_samples, fingerprint)

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.lanes.registry import LANES
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import EnqueueReport, Producer, checked_formatter
 from dflash_queue.quality.gate import gate_summary
@@ -20,8 +21,6 @@ from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
 from dflash_queue.storage.keys import SHARDS, shard_id_of
-
-LANES = ("generate", "extract")
 
 
 class RunFailed(RuntimeError):

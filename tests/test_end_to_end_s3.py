@@ -11,12 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_queue.lanes.registry import EXTRACT
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import EXTRACT_QUEUE, configure_app
-from dflash_queue.queue.tasks import extract_shard
+from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.tasks import LANE_TASKS
 from dflash_queue.run_identity import MANIFEST_KEY
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
@@ -127,7 +128,7 @@ def test_job_survives_the_endpoint_going_away_mid_run(make_config, s3_env, redis
         server.stop()
         # A duplicate delivery of a finished shard gives the extract worker work that needs the store too.
         finished = next(s for s, state in ledger.states(report.shard_ids).items() if state == DONE)
-        extract_shard.apply_async(args=(finished, 4, config.fingerprint()), queue=EXTRACT_QUEUE)
+        LANE_TASKS["extract"].apply_async(args=(finished, 4, config.fingerprint()), queue=EXTRACT.queue)
         # Keep the store down until both workers have hit the outage and scheduled a retry.
         while not all("storage unavailable (retry" in w.log_tail(200_000) for w in workers):
             assert all(w.alive() for w in workers) and time.monotonic() < deadline, workers[0].log_tail()

@@ -11,13 +11,14 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.vllm_generate import request_seed
 from dflash_queue.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import EXTRACT_QUEUE, GENERATE_QUEUE, configure_app
+from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.worker import EXIT_ENGINE_LOST
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
@@ -117,8 +118,8 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
     assert len(generated) + len(waiting) == 6
     assert all(storage.exists(completions_key(s)) for s in generated)
     assert not any(storage.exists(completions_key(s)) for s in waiting)
-    assert queued_messages(redis_url, GENERATE_QUEUE) == len(waiting)
-    assert queued_messages(redis_url, EXTRACT_QUEUE) == len(generated)
+    assert queued_messages(redis_url, GENERATE.queue) == len(waiting)
+    assert queued_messages(redis_url, EXTRACT.queue) == len(generated)
 
     # A second vLLM worker and an extract worker finish the job.
     workers = [start_worker(config, "generate"), start_worker(config, "extract")]
@@ -166,6 +167,6 @@ def test_a_worker_whose_engine_dies_hands_its_tasks_back_and_exits(
     assert not left, f"processes outlived the worker: {describe(left)}"
     # Not marked failed, nothing written: both messages are back in the queue for a healthy worker.
     assert set(ledger.states(report.shard_ids).values()) == {QUEUED}
-    assert queued_messages(redis_url, GENERATE_QUEUE) == 2
+    assert queued_messages(redis_url, GENERATE.queue) == 2
     storage = open_storage(config.storage.url)
     assert not any(storage.exists(completions_key(s)) for s in report.shard_ids)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.lanes.registry import GENERATE
 from dflash_queue.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
+from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import prompts_key, shard_key
@@ -22,7 +23,7 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 
 def queued_messages(url: str) -> list[dict]:
     client = redis.Redis.from_url(url)
-    return [json.loads(raw) for raw in client.lrange(GENERATE_QUEUE, 0, -1)]
+    return [json.loads(raw) for raw in client.lrange(GENERATE.queue, 0, -1)]
 
 
 def test_enqueue_stages_shards_and_sends_reference_only_messages(make_config, redis_url):
@@ -139,7 +140,7 @@ def test_rebuild_resends_every_shard_not_in_storage_whatever_the_ledger_says(mak
     storage = open_storage(config.storage.url)
     storage.write_bytes(shard_key(first.shard_ids[0]), b"done")
     ledger.set_state(first.shard_ids[1], GENERATED)
-    redis.Redis.from_url(redis_url).delete(GENERATE_QUEUE)
+    redis.Redis.from_url(redis_url).delete(GENERATE.queue)
 
     unchanged = Producer(config, ledger).enqueue([SAMPLE])
     assert unchanged.enqueued == 0 and unchanged.skipped_queued == 6 and queued_messages(redis_url) == []
@@ -157,7 +158,7 @@ def test_enqueue_command_rebuild_flag(make_config, redis_url):
     config = make_config()
     configure_app(config)
     Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([SAMPLE])
-    redis.Redis.from_url(redis_url).delete(GENERATE_QUEUE)
+    redis.Redis.from_url(redis_url).delete(GENERATE.queue)
     command = [sys.executable, "-m", "dflash_queue", "enqueue", str(SAMPLE), "-c", str(config.source)]
     plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0, plain.stderr
@@ -192,7 +193,7 @@ def test_a_thinking_policy_the_template_cannot_honour_is_refused_before_anything
     assert "started" not in run.stderr  # neither a broker nor a worker was started
     storage = open_storage(config.storage)
     assert list(storage.list("")) == [] and not run_out.exists()
-    assert redis.Redis.from_url(redis_url).llen(GENERATE_QUEUE) == 0
+    assert redis.Redis.from_url(redis_url).llen(GENERATE.queue) == 0
     always = make_config("always.toml", model={"path": str(model)}, dataset={"thinking": "always"})
     Producer(always, Ledger.from_url(redis_url, always.run.name))  # the same template honours "always"
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.lanes.registry import GENERATE
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
+from dflash_queue.queue.app import configure_app
 from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, RunMismatch
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import shard_key
@@ -21,7 +22,7 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 
 
 def queued(url: str) -> int:
-    return redis.Redis.from_url(url).llen(GENERATE_QUEUE)
+    return redis.Redis.from_url(url).llen(GENERATE.queue)
 
 
 def enqueue(config, **kwargs):
@@ -91,7 +92,7 @@ def test_rebuild_starts_a_run_made_with_other_settings_over_and_every_shard_is_s
     for shard_id in report.shard_ids:
         ledger.set_state(shard_id, DONE)  # done, in the first run's storage
     ledger.add({"extract_shards": 7})
-    redis.Redis.from_url(redis_url).delete(GENERATE_QUEUE)
+    redis.Redis.from_url(redis_url).delete(GENERATE.queue)
 
     second = make_config("second.toml", **{"generate.sampling": {"temperature": 1.0}},
                          storage={"url": str(tmp_path / "storage-2")})
@@ -128,7 +129,7 @@ def test_shards_the_ledger_shows_done_without_a_training_file_are_sent_again(mak
     for shard_id in first.shard_ids:
         ledger.set_state(shard_id, DONE)
     storage.write_bytes(shard_key(first.shard_ids[0]), b"stored")
-    redis.Redis.from_url(redis_url).delete(GENERATE_QUEUE)
+    redis.Redis.from_url(redis_url).delete(GENERATE.queue)
 
     again = enqueue(config)
     assert again.skipped_done == 1 and again.resent_missing == 6 and again.enqueued == 6

@@ -47,6 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from dflash_queue.lanes.registry import EXTRACT, GENERATE  # noqa: E402
 from dflash_queue.config import Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
@@ -54,7 +55,7 @@ from dflash_queue.lanes.extract import ExtractLane, build_extractor  # noqa: E40
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine  # noqa: E402
 from dflash_queue.ledger import DONE, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
-from dflash_queue.queue.app import EXTRACT_TASK, GENERATE_TASK, configure_app  # noqa: E402
+from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
@@ -64,7 +65,7 @@ from dflash_queue.testing.configs import tiny_config_tables, write_config  # noq
 from dflash_queue.testing.polling import wait_for_states  # noqa: E402
 from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
 
-LANE_OF = {GENERATE_TASK: "generate", EXTRACT_TASK: "extract"}
+LANE_OF = {GENERATE.task_name: "generate", EXTRACT.task_name: "extract"}
 
 
 def make_dataset(count: int, out: Path, tag: str = "") -> Path:

@@ -28,12 +28,13 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from bench_pipeline import make_dataset  # noqa: E402
 
+from dflash_queue.lanes.registry import EXTRACT  # noqa: E402
 from dflash_queue.config import Config, S3Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine  # noqa: E402
 from dflash_queue.ledger import DONE, Ledger  # noqa: E402
-from dflash_queue.queue.app import EXTRACT_QUEUE, configure_app  # noqa: E402
+from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
@@ -127,7 +128,7 @@ def time_extraction(
 ) -> float:
     """Seconds an extract worker (engine loaded and warmed up on one shard) takes to extract and store every
     shard `passes` times; outputs are removed between passes while the worker idles."""
-    from dflash_queue.queue.tasks import extract_shard
+    from dflash_queue.queue.tasks import LANE_TASKS
 
     storage = open_storage(config.storage)
     app = configure_app(config)
@@ -139,7 +140,7 @@ def time_extraction(
         ledger.reset()
         started = time.perf_counter()
         for shard_id, count in selected:
-            extract_shard.apply_async(args=(shard_id, count, config.fingerprint()), queue=EXTRACT_QUEUE)
+            LANE_TASKS["extract"].apply_async(args=(shard_id, count, config.fingerprint()), queue=EXTRACT.queue)
         wait_for_states(ledger, [s for s, _ in selected], {DONE}, timeout=3600, workers=[worker])
         return time.perf_counter() - started
 

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_queue.cli.common import config_option, load
 from dflash_queue.errors import ConfigError, DflashQueueError
+from dflash_queue.lanes.registry import LANES
 
 datasets_argument = click.argument(
     "datasets", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -56,7 +57,7 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
 
 
 @click.command()
-@click.argument("lane", type=click.Choice(["generate", "extract"]))
+@click.argument("lane", type=click.Choice(list(LANES)))
 @config_option
 @click.option(
     "--concurrency",

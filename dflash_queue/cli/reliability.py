@@ -11,6 +11,8 @@ from pathlib import Path
 import click
 
 from dflash_queue.cli.common import config_option, load
+from dflash_queue.deadletters import UNKNOWN_LANE
+from dflash_queue.lanes.registry import LANES
 
 AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -27,7 +29,7 @@ def parse_age(value: str | None, option: str) -> float | None:
 def filter_options(command):
     for option in reversed(
         [
-            click.option("--lane", type=click.Choice(["generate", "extract", "unknown"]), help="Only this lane."),
+            click.option("--lane", type=click.Choice([*LANES, UNKNOWN_LANE]), help="Only this lane."),
             click.option("--exception", "exc_type", help="Only this exception type (e.g. InjectedFault)."),
             click.option("--kind", type=click.Choice(["task", "sample", "message"]), help="Only this kind."),
             click.option("--older-than", help="Only records whose last failure is at least this old (2h)."),

@@ -34,6 +34,7 @@ from dflash_queue.engines.state_checks import check_canary, check_plausible, def
 from dflash_queue import faults
 from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker
+from dflash_queue.ledger import CANARY_ERROR
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.shards.completions import decode_completions
@@ -68,6 +69,22 @@ class ExtractSummary:
             "extract_bytes": self.num_bytes,
             "extract_shards": 1,
         }
+
+    def maxima(self) -> dict[str, float]:
+        return {} if self.canary_error is None else {CANARY_ERROR: self.canary_error}
+
+    @property
+    def handed_on(self) -> int:
+        return self.num_samples
+
+    def describe(self) -> str:
+        return (
+            f"extracted shard {self.shard_id}: {self.num_samples} samples, {self.num_tokens} tokens, "
+            f"{self.num_bytes} bytes"
+            + (f"; canary relative error {self.canary_error:.2e}" if self.canary_error is not None else "")
+            + (f"; {len(self.poisoned)} dead-lettered" if self.poisoned else "")
+            + (" (already stored)" if self.skipped else "")
+        )
 
 
 def versions() -> dict[str, str]:
@@ -245,6 +262,10 @@ class ExtractLane:
             yield
         finally:
             self._compute.release()
+
+
+def build_extract_lane(config: Config, storage: Storage | None = None) -> ExtractLane:
+    return ExtractLane(config, build_extractor(config), storage)
 
 
 def build_extractor(config: Config) -> HiddenStateExtractor:

@@ -16,7 +16,7 @@ from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.lanes.isolation import run_isolating
 from dflash_queue.lanes.turns import TurnGenerator
 from dflash_queue.quality.checks import TokenMarkers
-from dflash_queue.quality.gate import GateCounts, QualityGate
+from dflash_queue.quality.gate import GateCounts, QualityGate, gate_summary
 from dflash_queue.shards.completions import CompletionRecord, decode_completions, encode_completions
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
@@ -47,6 +47,22 @@ class GenerateSummary:
         counts.update({f"finish_{reason}": n for reason, n in self.finish_reasons.items()})
         counts.update(self.gate)
         return counts
+
+    def maxima(self) -> dict[str, float]:
+        return {}
+
+    @property
+    def handed_on(self) -> int:
+        """Samples the extract lane receives: those the quality gate kept."""
+        return self.kept
+
+    def describe(self) -> str:
+        return (
+            f"generated shard {self.shard_id}: {self.num_samples} samples, {self.completion_tokens} completion "
+            f"tokens; quality gate: {'; '.join(gate_summary(self.gate))}"
+            + (f"; {len(self.poisoned)} dead-lettered" if self.poisoned else "")
+            + (" (already stored)" if self.skipped else "")
+        )
 
 
 def summarize(
@@ -122,6 +138,10 @@ class GenerateLane:
 
     def close(self) -> None:
         self.engine.close()
+
+
+def build_generate_lane(config: Config, storage: Storage | None = None) -> GenerateLane:
+    return GenerateLane(config, build_generate_engine(config), storage)
 
 
 def build_generate_engine(config: Config) -> GenerateEngine:

@@ -20,35 +20,18 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
-from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, GENERATED, QUEUED, Ledger
-from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE
+from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
+from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import SHARDS, shard_id_of
 
-LANES = {"generate": GENERATE_QUEUE, "extract": EXTRACT_QUEUE}
-# Counters shown per lane, and which of them get a rate: (counter, label).
-LANE_COUNTERS = {
-    "generate": (
-        ("generate_samples", "samples"),
-        ("generate_prompt_tokens", "prompt_tokens"),
-        ("generate_completion_tokens", "generated_tokens"),
-    ),
-    "extract": (
-        ("extract_samples", "samples"),
-        ("extract_tokens", "tokens"),
-        ("extract_bytes", "bytes"),
-    ),
-}
-# Shard states at which a lane's work on the shard is over.
-LANE_DONE_STATES = {"generate": {GENERATED, DONE}, "extract": {DONE}}
-LANE_PENDING_STATES = {"generate": {QUEUED}, "extract": {QUEUED, GENERATED}}
 # The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.
 QUALITY_PREFIX = "gate_"
 DEFAULT_WINDOW_S = 600
 
 def dead_letters_per_lane(client: redis.Redis, run_name: str) -> dict[str, int]:
     per_lane = Counter(record.lane for record in DeadLetters(client, run_name).all())
-    return {lane: per_lane.get(lane, 0) for lane in LANES}
+    return {name: per_lane.get(name, 0) for name in LANES}
 
 
 @dataclass
@@ -64,15 +47,17 @@ class LaneStatus:
     shards_remaining: int  # still to pass through this lane
     samples_total: int
     samples_done: int
-    totals: dict[str, int]  # labelled counters of LANE_COUNTERS
+    totals: dict[str, int]  # the lane's counters (LaneSpec.counters) by label
     rates: dict[str, float]  # the same labels, per second over the window
     quality: dict[str, int] = field(default_factory=dict)
     quality_dropped: int = 0
-    # Generate lane: generated turns by finish reason (`finish_stop`, `finish_length`), every turn counted.
+    # Generated turns by finish reason (`finish_stop`, `finish_length`), every turn counted; empty for a lane
+    # that generates nothing.
     finish_reasons: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     eta_s: float | None = None
-    # Extract lane: samples recomputed alone by the canary, and the worst relative error any of them showed.
+    # Samples recomputed alone by the canary, and the worst relative error any of them showed (a lane that
+    # checks its states).
     canary_samples: int = 0
     canary_worst_error: float | None = None
 
@@ -176,7 +161,7 @@ def collect_status(
         failures = ledger.failures()
         unacked = unacked_by_queue(client)
         dead = dead_letters_per_lane(client, config.run.name)
-        depths = {lane: queue_depth(client, queue) for lane, queue in LANES.items()}
+        depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
     finally:
         client.close()
     stored, storage_error = stored_shards(config)
@@ -187,46 +172,46 @@ def collect_status(
         workers = ask_workers(configure_app(config), inspect_timeout)
 
     lanes = {}
-    for lane, queue in LANES.items():
-        failed = [s for s, st in states.items() if st == FAILED and _failed_in(failures.get(s, ""), lane)]
-        done = [s for s, st in states.items() if st in LANE_DONE_STATES[lane]]
-        if lane == "extract":  # extracted means stored
+    for name, spec in LANES.items():
+        failed = [s for s, st in states.items() if st == FAILED and _failed_in(failures.get(s, ""), spec)]
+        done = [s for s, st in states.items() if st in spec.done_states]
+        if spec is FINAL_LANE:  # its output is the training shard: done means stored
             done = [s for s in done if s not in missing]
-        pending = [s for s, st in states.items() if st in LANE_PENDING_STATES[lane]]
+        pending = [s for s, st in states.items() if st in spec.pending_states]
         status = LaneStatus(
-            lane=lane,
-            queued=depths[lane],
-            reserved=unacked.get(queue, 0),
-            running=workers.lane_running(queue),
-            workers=workers.lane_workers(queue),
+            lane=name,
+            queued=depths[name],
+            reserved=unacked.get(spec.queue, 0),
+            running=workers.lane_running(spec.queue),
+            workers=workers.lane_workers(spec.queue),
             shards_total=len(states),
             shards_done=len(done),
             shards_failed=len(failed),
             shards_remaining=len(pending),
             samples_total=sum(sizes.values()),
             samples_done=sum(sizes.get(s, 0) for s in done),
-            totals={label: counters.get(name, 0) for name, label in LANE_COUNTERS[lane]},
-            rates={label: window.rate(name) for name, label in LANE_COUNTERS[lane]},
-            dead_letters=int(dead.get(lane, 0)),
+            totals={label: counters.get(counter, 0) for counter, label in spec.counters},
+            rates={label: window.rate(counter) for counter, label in spec.counters},
+            dead_letters=int(dead.get(name, 0)),
         )
-        if lane == "generate":
+        if "quality gate" in spec.status_rows:
             status.quality = {k: v for k, v in sorted(counters.items()) if k.startswith(QUALITY_PREFIX)}
             status.quality_dropped = counters.get("gate_drop", 0)
             status.finish_reasons = {
                 k.removeprefix("finish_"): v for k, v in sorted(counters.items()) if k.startswith("finish_")
             }
-        else:
-            status.canary_samples = counters.get("extract_canary_samples", 0)
-            status.canary_worst_error = maxima.get(CANARY_ERROR)
+        if spec.canary_error is not None:
+            status.canary_samples = counters.get(spec.canary_counter, 0)
+            status.canary_worst_error = maxima.get(spec.canary_error)
         # Shards, not samples, measure what is left: the quality gate may shrink a shard on its way.
-        shard_rate = window.rate(f"{lane}_shards")
+        shard_rate = window.rate(spec.shards_counter)
         if not states:
             status.eta_s = None
         elif not pending:
             status.eta_s = 0.0
         elif shard_rate > 0:
             status.eta_s = len(pending) / shard_rate
-        lanes[lane] = status
+        lanes[name] = status
 
     etas = [lane.eta_s for lane in lanes.values()] if states else [None]
     finished = bool(states) and not missing and all(lane.shards_remaining == 0 for lane in lanes.values())
@@ -259,6 +244,7 @@ def stored_shards(config: Config) -> tuple[set[str] | None, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _failed_in(failure: str, lane: str) -> bool:
-    in_extract = failure.startswith(EXTRACT_TASK)
-    return in_extract if lane == "extract" else not in_extract
+def _failed_in(failure: str, spec: LaneSpec) -> bool:
+    """A failure is recorded as "{task name}: {error}"; one without a known task name is the first lane's."""
+    failed_lane = lane_of_task(failure.partition(":")[0])
+    return spec is (failed_lane or FIRST_LANE)

@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
 from dflash_queue.ops.status import LaneStatus, RunStatus
 
@@ -75,20 +76,20 @@ def _in_flight(s: LaneStatus) -> str:
 
 
 def _tokens(s: LaneStatus) -> str:
-    t = s.totals
-    if s.lane == "generate":
-        return f"prompt {humanize.count(t['prompt_tokens'])} · generated {humanize.count(t['generated_tokens'])}"
-    return f"{humanize.count(t['tokens'])} · {humanize.size(t['bytes'])}"
+    return _volume(s, s.totals, {"tokens": humanize.count, "bytes": humanize.size})
 
 
 def _throughput(s: LaneStatus) -> str:
-    r = s.rates
-    if s.lane == "generate":
-        return (
-            f"prompt {humanize.rate(r['prompt_tokens'], 'tok')} · "
-            f"generated {humanize.rate(r['generated_tokens'], 'tok')}"
-        )
-    return f"{humanize.rate(r['tokens'], 'tok')} · {humanize.size(r['bytes'])}/s"
+    return _volume(s, s.rates, {"tokens": lambda v: humanize.rate(v, "tok"), "bytes": lambda v: f"{humanize.size(v)}/s"})
+
+
+def _volume(s: LaneStatus, values: dict, formats: dict) -> str:
+    parts = [f"{caption} {formats[unit](values[label])}".strip() for label, caption, unit in LANES[s.lane].volume]
+    return " · ".join(parts)
+
+
+def _shown(s: LaneStatus, row: str) -> bool:
+    return row in LANES[s.lane].status_rows
 
 
 def _quality(s: LaneStatus) -> str:
@@ -99,7 +100,7 @@ def _quality(s: LaneStatus) -> str:
 
 
 def _canary(s: LaneStatus) -> str:
-    if s.lane != "extract":
+    if not _shown(s, "canary"):
         return "—"
     if not s.canary_samples or s.canary_worst_error is None:
         return "no sample checked yet"
@@ -107,7 +108,7 @@ def _canary(s: LaneStatus) -> str:
 
 
 def _turns(s: LaneStatus) -> str:
-    if s.lane != "generate":
+    if not _shown(s, "turns"):
         return "—"
     reasons = {"stop": "stopped", "length": "truncated"}
     parts = [f"{reasons.get(k, k)} {v:,}" for k, v in s.finish_reasons.items()]

@@ -1,4 +1,5 @@
-"""The Celery app and its settings, built from a deployment config."""
+"""The Celery app and its settings, built from a deployment config: one queue and one task per lane of the
+registry (dflash_queue.lanes.registry)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,23 @@ from kombu import Exchange, Queue
 
 from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
+from dflash_queue.lanes.registry import FIRST_LANE, LANES
+from dflash_queue.queue.runtime import WorkerRuntime
 
-GENERATE_QUEUE = "generate"
-EXTRACT_QUEUE = "extract"
-GENERATE_TASK = "dfq.generate"
-EXTRACT_TASK = "dfq.extract"
 
-app = Celery("dflash_queue", include=["dflash_queue.queue.tasks"])
+class LaneApp(Celery):
+    """The Celery app. A worker process attaches its runtime here before it consumes; tasks reach it through
+    their base class (`LaneTask.runtime`), the consumer through its app."""
+
+    worker_runtime: WorkerRuntime | None = None
+
+    def runtime(self) -> WorkerRuntime:
+        if self.worker_runtime is None:
+            raise RuntimeError("no worker runtime in this process; start workers with `dflash-queue worker`")
+        return self.worker_runtime
+
+
+app = LaneApp("dflash_queue", include=["dflash_queue.queue.tasks"])
 
 
 def celery_settings(config: Config) -> dict:
@@ -48,15 +59,11 @@ def celery_settings(config: Config) -> dict:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "task_queues": (
-            Queue(GENERATE_QUEUE, Exchange(GENERATE_QUEUE), routing_key=GENERATE_QUEUE),
-            Queue(EXTRACT_QUEUE, Exchange(EXTRACT_QUEUE), routing_key=EXTRACT_QUEUE),
+        "task_queues": tuple(
+            Queue(spec.queue, Exchange(spec.queue), routing_key=spec.queue) for spec in LANES.values()
         ),
-        "task_routes": {
-            GENERATE_TASK: {"queue": GENERATE_QUEUE, "routing_key": GENERATE_QUEUE},
-            EXTRACT_TASK: {"queue": EXTRACT_QUEUE, "routing_key": EXTRACT_QUEUE},
-        },
-        "task_default_queue": GENERATE_QUEUE,
+        "task_routes": {spec.task_name: {"queue": spec.queue, "routing_key": spec.queue} for spec in LANES.values()},
+        "task_default_queue": FIRST_LANE.queue,
         # Events for Flower.
         "worker_send_task_events": True,
         "task_send_sent_event": True,

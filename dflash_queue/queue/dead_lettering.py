@@ -12,20 +12,32 @@ from typing import Any
 
 from celery.worker.consumer import Consumer
 
-from dflash_queue.deadletters import MESSAGE, SAMPLE, TASK, DeadLetter, exception_fields, record_id
-from dflash_queue.queue import runtime
-from dflash_queue.queue.app import EXTRACT_TASK, GENERATE_TASK
+from dflash_queue.deadletters import (
+    MESSAGE,
+    SAMPLE,
+    TASK,
+    UNKNOWN_LANE,
+    DeadLetter,
+    DeadLetters,
+    exception_fields,
+    record_id,
+)
+from dflash_queue.lanes.registry import lane_of_task
 
 log = logging.getLogger(__name__)
 
-LANE_OF_TASK = {GENERATE_TASK: "generate", EXTRACT_TASK: "extract"}
 # Bytes of an undecodable body kept in its dead letter.
 BODY_CHARS = 2000
 
 
-def _store(record: DeadLetter) -> None:
+def _lane_name(task_name: str) -> str:
+    spec = lane_of_task(task_name)
+    return spec.name if spec is not None else UNKNOWN_LANE
+
+
+def _store(dead_letters: DeadLetters, record: DeadLetter) -> None:
     try:
-        runtime.current().dead_letters.add(record)
+        dead_letters.add(record)
         log.error("dead letter %s: %s: %s", record.id, record.exc_type, record.message)
     except Exception:  # bookkeeping must never hide the failure it records
         log.exception("could not record dead letter %s", record.id)
@@ -38,9 +50,10 @@ def shard_of(args: Any, kwargs: Any) -> str:
 
 
 def dead_letter_task(
-    task_name: str, args: Any, kwargs: Any, exc: BaseException, *, deliveries: int, worker: str
+    dead_letters: DeadLetters, task_name: str, args: Any, kwargs: Any, exc: BaseException, *, deliveries: int,
+    worker: str,
 ) -> DeadLetter:
-    lane = LANE_OF_TASK.get(task_name, "unknown")
+    lane = _lane_name(task_name)
     shard_id = shard_of(args, kwargs)
     record = DeadLetter(
         id=record_id(TASK, lane, shard_id) if shard_id else record_id(MESSAGE, lane, task_id=str(id(exc))),
@@ -54,11 +67,12 @@ def dead_letter_task(
         worker=worker,
         **exception_fields(exc),
     )
-    _store(record)
+    _store(dead_letters, record)
     return record
 
 
 def dead_letter_samples(
+    dead_letters: DeadLetters,
     task_name: str,
     args: Any,
     kwargs: Any,
@@ -67,10 +81,11 @@ def dead_letter_samples(
     deliveries: int,
     worker: str,
 ) -> None:
-    lane = LANE_OF_TASK[task_name]
+    lane = _lane_name(task_name)
     shard_id = shard_of(args, kwargs)
     for sample_id, exc in poisoned:
         _store(
+            dead_letters,
             DeadLetter(
                 id=record_id(SAMPLE, lane, shard_id, [sample_id]),
                 kind=SAMPLE,
@@ -87,7 +102,7 @@ def dead_letter_samples(
         )
 
 
-def dead_letter_message(message: Any, exc: BaseException | None, reason: str) -> None:
+def dead_letter_message(dead_letters: DeadLetters, message: Any, exc: BaseException | None, reason: str) -> None:
     headers = getattr(message, "headers", None) or {}
     delivery = getattr(message, "delivery_info", None) or {}
     task_id = str(headers.get("id") or getattr(message, "delivery_tag", "") or "?")
@@ -97,10 +112,11 @@ def dead_letter_message(message: Any, exc: BaseException | None, reason: str) ->
         body = body.decode("utf-8", "replace")
     fields = exception_fields(exc) if exc is not None else {"exc_type": reason, "message": reason, "traceback": ""}
     _store(
+        dead_letters,
         DeadLetter(
             id=record_id(MESSAGE, lane, task_id=task_id),
             kind=MESSAGE,
-            lane=lane or "unknown",
+            lane=lane or UNKNOWN_LANE,
             task=str(headers.get("task") or ""),
             args=[str(body)[:BODY_CHARS]],
             kwargs={"content_type": str(getattr(message, "content_type", "")), "reason": reason},
@@ -136,18 +152,26 @@ class WorkerConsumer(Consumer):
         except AttributeError as error:
             log.warning("broker connection lost with messages in flight (%s); reconnecting", error)
 
+    def _dead_letter(self, message: Any, exc: BaseException | None, reason: str) -> None:
+        try:
+            dead_letters = self.app.runtime().dead_letters
+        except RuntimeError:  # bookkeeping must never hide the failure it records
+            log.exception("could not record a dead letter for a %s", reason)
+            return
+        dead_letter_message(dead_letters, message, exc, reason)
+
     def on_decode_error(self, message, exc):
-        dead_letter_message(message, exc, "undecodable message")
+        self._dead_letter(message, exc, "undecodable message")
         return super().on_decode_error(message, exc)
 
     def on_unknown_message(self, body, message):
-        dead_letter_message(message, None, "message without task headers")
+        self._dead_letter(message, None, "message without task headers")
         return super().on_unknown_message(body, message)
 
     def on_unknown_task(self, body, message, exc):
-        dead_letter_message(message, exc, "unknown task")
+        self._dead_letter(message, exc, "unknown task")
         return super().on_unknown_task(body, message, exc)
 
     def on_invalid_task(self, body, message, exc):
-        dead_letter_message(message, exc, "invalid task message")
+        self._dead_letter(message, exc, "invalid task message")
         return super().on_invalid_task(body, message, exc)

@@ -18,10 +18,8 @@ from dataclasses import dataclass
 
 from dflash_queue.config import Config
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters
-from dflash_queue.ledger import GENERATED, QUEUED, Ledger
-from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE, GENERATE_TASK
-
-TASK_OF_LANE = {"generate": (GENERATE_TASK, GENERATE_QUEUE), "extract": (EXTRACT_TASK, EXTRACT_QUEUE)}
+from dflash_queue.lanes.registry import LANES
+from dflash_queue.ledger import Ledger
 
 # send(task name, args, kwargs, queue)
 Send = Callable[[str, tuple, dict, str], None]
@@ -54,7 +52,7 @@ def plan(records: Sequence[DeadLetter], all_records: Sequence[DeadLetter]) -> tu
     unrunnable: list[DeadLetter] = []
     redo_shards: set[tuple[str, str]] = set()
     for record in records:
-        if not record.requeueable or record.lane not in TASK_OF_LANE or not record.shard_id:
+        if not record.requeueable or record.lane not in LANES or not record.shard_id:
             unrunnable.append(record)
         elif record.kind == TASK:
             jobs.append(Job(record.lane, record.shard_id, False, (record,)))
@@ -83,7 +81,8 @@ def requeue(
     fingerprint = config.fingerprint()
     sizes = ledger.shard_sizes()
     for job in jobs:
-        task, queue = TASK_OF_LANE[job.lane]
+        spec = LANES[job.lane]
+        task, queue = spec.task_name, spec.queue
         num_samples = sizes.get(job.shard_id) or _recorded_count(job.records)
         what = f"{task}({job.shard_id}{', redo' if job.redo else ''}) on queue {queue}"
         if dry_run:
@@ -94,7 +93,7 @@ def requeue(
             outcomes.append(RequeueOutcome(job.records, "gone", "already requeued or purged by someone else"))
             continue
         try:
-            ledger.set_state(job.shard_id, QUEUED if job.lane == "generate" else GENERATED)
+            ledger.set_state(job.shard_id, spec.waiting_state)
             send(task, (job.shard_id, num_samples, fingerprint), {"redo": job.redo}, queue)
         except Exception:
             for record in taken:

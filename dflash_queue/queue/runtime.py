@@ -1,4 +1,8 @@
-"""What a worker process holds for its whole life: config, ledger, and the resident lane (engine loaded once)."""
+"""What a worker process holds for its whole life: config, ledger, and the resident lane (engine loaded once).
+
+The worker attaches it to the Celery app (`LaneApp.worker_runtime`) before consuming; tasks reach it through
+their base class, `LaneTask.runtime`.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from typing import Any
 
 from dflash_queue.config import Config
+from dflash_queue.deadletters import DeadLetters
+from dflash_queue.lanes.registry import ResidentLane
 from dflash_queue.ledger import Ledger
+from dflash_queue.storage import Storage
 
 
 @dataclass
@@ -17,15 +23,15 @@ class WorkerRuntime:
     config: Config
     fingerprint: str
     ledger: Ledger
-    lanes: dict[str, Any]
+    lanes: dict[str, ResidentLane]
+    # Where failed tasks, poison samples and unrunnable messages are recorded.
+    dead_letters: DeadLetters
+    # The worker's storage, shared by its lanes; closed after them.
+    storage: Storage | None = None
     # Set when the worker must stop because it cannot serve more tasks (its engine died).
     stop_reason: str | None = None
-    # The worker's storage, shared by its lanes; closed after them.
-    storage: Any = None
-    # Where failed tasks, poison samples and unrunnable messages are recorded (dflash_queue.deadletters).
-    dead_letters: Any = None
 
-    def lane(self, name: str) -> Any:
+    def lane(self, name: str) -> ResidentLane:
         try:
             return self.lanes[name]
         except KeyError:
@@ -53,22 +59,3 @@ class WorkerRuntime:
         if close_storage is not None:
             close_storage()
 
-
-_current: WorkerRuntime | None = None
-
-
-def install(runtime: WorkerRuntime) -> None:
-    global _current
-    _current = runtime
-
-
-def current() -> WorkerRuntime:
-    if _current is None:
-        raise RuntimeError("no worker runtime installed in this process; start workers with `dflash-queue worker`")
-    return _current
-
-
-def uninstall() -> WorkerRuntime | None:
-    global _current
-    runtime, _current = _current, None
-    return runtime

@@ -1,7 +1,8 @@
-"""Thin Celery tasks: check the message, call the lane, record progress, chain the next lane.
+"""Thin Celery tasks: check the message, call the lane, record progress, hand the shard to the next lane.
 
-Messages carry references only: a shard id, its sample count, the config fingerprint, and `redo` (set by a
-requeued dead letter: write the shard again with the samples it lacks).
+One generic task body serves every lane of the registry (dflash_queue.lanes.registry), registered under the
+lane's task name. Messages carry references only: a shard id, its sample count, the config fingerprint, and
+`redo` (set by a requeued dead letter: write the shard again with the samples it lacks).
 
 Exactly-once output from at-least-once delivery: output keys derive from the shard id, a task whose output
 exists completes without recomputing, and outputs are written whole (temp file + rename, or one object PUT),
@@ -21,7 +22,6 @@ from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
 
 from dflash_queue import faults
-from dflash_queue import ledger as states
 from dflash_queue.errors import (
     DflashQueueError,
     EngineUnavailable,
@@ -29,18 +29,18 @@ from dflash_queue.errors import (
     StorageUnavailable,
     WorkerShuttingDown,
 )
-from dflash_queue.quality.gate import gate_summary
-from dflash_queue.queue import runtime
-from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_TASK, app
+from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary
+from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
 from dflash_queue.queue.dead_lettering import dead_letter_samples, dead_letter_task, shard_of
+from dflash_queue.queue.runtime import WorkerRuntime
 
 log = get_task_logger(__name__)
 # Busy time per lane in this worker process, recorded as `{lane}_busy_ms` next to the lane's counters.
-BUSY = {"generate": BusyClock(), "extract": BusyClock()}
+BUSY = {name: BusyClock() for name in LANES}
 
 
-def _check_fingerprint(rt: runtime.WorkerRuntime, fingerprint: str, shard_id: str) -> None:
+def _check_fingerprint(rt: WorkerRuntime, fingerprint: str, shard_id: str) -> None:
     if fingerprint != rt.fingerprint:
         raise FingerprintMismatch(
             f"shard {shard_id}: message fingerprint {fingerprint} != worker config fingerprint {rt.fingerprint} "
@@ -60,8 +60,13 @@ class LaneTask(Task):
     worker stops instead of failing every task it would take next.
     """
 
+    @property
+    def runtime(self) -> WorkerRuntime:
+        """This worker process's runtime (config, ledger, resident lane, dead letters)."""
+        return app.runtime()
+
     def __call__(self, *args, **kwargs):
-        rt = runtime.current()
+        rt = self.runtime
         deliveries = rt.ledger.count_delivery(self.request.id or "", self.request.retries or 0)
         self.request.deliveries = deliveries
         if deliveries > rt.config.broker.max_deliveries:
@@ -79,22 +84,23 @@ class LaneTask(Task):
             log.info("%s: requeued", exc)
             raise Reject(str(exc), requeue=True) from None
 
-    def _give_up(self, rt: runtime.WorkerRuntime, args, kwargs, deliveries: int) -> None:
+    def _give_up(self, rt: WorkerRuntime, args, kwargs, deliveries: int) -> None:
         exc = DeliveryLimitExceeded(
             f"delivered {deliveries} times (broker.max_deliveries = {rt.config.broker.max_deliveries}); the "
             "workers that ran it died each time (out of memory, a crash, a kill): see their logs"
         )
         self._dead_letter(rt, exc, args, kwargs)
 
-    def _not_counted(self, rt: runtime.WorkerRuntime) -> None:
+    def _not_counted(self, rt: WorkerRuntime) -> None:
         """A delivery handed back unrun (shutdown, dead engine) is not the task's fault: uncount it."""
         try:
             rt.ledger.count_delivery(self.request.id or "", self.request.retries or 0, by=-1)
         except Exception:
             log.exception("could not uncount a requeued delivery")
 
-    def _dead_letter(self, rt: runtime.WorkerRuntime, exc: BaseException, args, kwargs) -> None:
+    def _dead_letter(self, rt: WorkerRuntime, exc: BaseException, args, kwargs) -> None:
         record = dead_letter_task(
+            rt.dead_letters,
             self.name,
             args,
             kwargs,
@@ -109,12 +115,12 @@ class LaneTask(Task):
                 log.exception("could not record the failure of shard %s", record.shard_id)
 
     def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
-        self._dead_letter(runtime.current(), exc, args, kwargs)
+        self._dead_letter(self.runtime, exc, args, kwargs)
 
     def on_retry(self, exc, task_id, args, kwargs, einfo) -> None:
         name = "storage_retries" if isinstance(exc, StorageUnavailable) else "transient_retries"
         try:
-            runtime.current().ledger.add({name: 1})
+            self.runtime.ledger.add({name: 1})
         except Exception:
             log.exception("could not count a retry")
 
@@ -133,7 +139,7 @@ def backoff_s(attempt: int, cap_s: float) -> float:
 
 
 @contextmanager
-def _transient_retries(task: Task, rt: runtime.WorkerRuntime, shard_id: str) -> Iterator[None]:
+def _transient_retries(task: Task, rt: WorkerRuntime, shard_id: str) -> Iterator[None]:
     """Storage outages and broken connections become delayed retries; anything else fails the task."""
     broker = rt.config.broker
     try:
@@ -148,15 +154,16 @@ def _transient_retries(task: Task, rt: runtime.WorkerRuntime, shard_id: str) -> 
         raise task.retry(exc=exc, countdown=delay, max_retries=broker.transient_retries)
 
 
-def _count_once(rt: runtime.WorkerRuntime, task: Task, lane: str, shard_id: str, redo: bool, counts: dict) -> None:
+def _count_once(rt: WorkerRuntime, task: Task, lane: str, shard_id: str, redo: bool, counts: dict) -> None:
     """Counters of one shard's output, once: a second delivery that wrote the same output adds nothing."""
     token = f"{lane}:{shard_id}" + (f":redo:{task.request.id}" if redo else "")
     rt.ledger.add_once(token, counts)
 
 
-def _dead_letter_poisoned(task: Task, args: tuple, kwargs: dict, poisoned) -> None:
+def _dead_letter_poisoned(task: LaneTask, args: tuple, kwargs: dict, poisoned) -> None:
     if poisoned:
         dead_letter_samples(
+            task.runtime.dead_letters,
             task.name,
             args,
             kwargs,
@@ -166,49 +173,41 @@ def _dead_letter_poisoned(task: Task, args: tuple, kwargs: dict, poisoned) -> No
         )
 
 
-@app.task(name=GENERATE_TASK, base=LaneTask, bind=True)
-def generate_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False) -> None:
-    rt = runtime.current()
+def run_lane_task(
+    task: LaneTask, spec: LaneSpec, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False
+) -> LaneSummary:
+    """One shard through one lane: run it, dead-letter its poison samples, count it once, move its state on,
+    settle its dead letters, and hand it to the next lane."""
+    rt = task.runtime
     _check_fingerprint(rt, fingerprint, shard_id)
-    with _transient_retries(self, rt, shard_id), BUSY["generate"].task() as timing:
-        summary = rt.lane("generate").run(shard_id, redo=redo)
-    _dead_letter_poisoned(self, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
+    with _transient_retries(task, rt, shard_id), BUSY[spec.name].task() as timing:
+        summary = rt.lane(spec.name).run(shard_id, redo=redo)
+    _dead_letter_poisoned(task, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
     if not summary.skipped:
-        _count_once(rt, self, "generate", shard_id, redo, {**summary.counters(), "generate_busy_ms": timing.busy_ms})
-    rt.ledger.set_state(shard_id, states.GENERATED)
-    rt.dead_letters.settle("generate", shard_id)
-    extract_shard.apply_async(args=(shard_id, summary.kept, fingerprint), kwargs={"redo": redo}, queue=EXTRACT_QUEUE)
-    log.info(
-        "generated shard %s: %d samples, %d completion tokens; quality gate: %s%s%s",
-        shard_id,
-        summary.num_samples,
-        summary.completion_tokens,
-        "; ".join(gate_summary(summary.gate)),
-        f"; {len(summary.poisoned)} dead-lettered" if summary.poisoned else "",
-        " (already stored)" if summary.skipped else "",
-    )
+        _count_once(rt, task, spec.name, shard_id, redo, {**summary.counters(), spec.busy_counter: timing.busy_ms})
+    for name, value in summary.maxima().items():
+        rt.ledger.record_max(name, value)
+    rt.ledger.set_state(shard_id, spec.finished_state)
+    rt.dead_letters.settle(spec.name, shard_id)
+    if spec.next_lane is not None:
+        send_to_lane(spec.next_lane, shard_id, summary.handed_on, fingerprint, redo=redo)
+    log.info("%s", summary.describe())
+    return summary
 
 
-@app.task(name=EXTRACT_TASK, base=LaneTask, bind=True)
-def extract_shard(self: Task, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False) -> None:
-    rt = runtime.current()
-    _check_fingerprint(rt, fingerprint, shard_id)
-    with _transient_retries(self, rt, shard_id), BUSY["extract"].task() as timing:
-        summary = rt.lane("extract").run(shard_id, redo=redo)
-    _dead_letter_poisoned(self, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
-    if not summary.skipped:
-        _count_once(rt, self, "extract", shard_id, redo, {**summary.counters(), "extract_busy_ms": timing.busy_ms})
-    if summary.canary_error is not None:
-        rt.ledger.record_max(states.CANARY_ERROR, summary.canary_error)
-    rt.ledger.set_state(shard_id, states.DONE)
-    rt.dead_letters.settle("extract", shard_id)
-    log.info(
-        "extracted shard %s: %d samples, %d tokens, %d bytes%s%s%s",
-        shard_id,
-        summary.num_samples,
-        summary.num_tokens,
-        summary.num_bytes,
-        f"; canary relative error {summary.canary_error:.2e}" if summary.canary_error is not None else "",
-        f"; {len(summary.poisoned)} dead-lettered" if summary.poisoned else "",
-        " (already stored)" if summary.skipped else "",
+def _register(spec: LaneSpec) -> Task:
+    def lane_task(self: LaneTask, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False) -> None:
+        run_lane_task(self, spec, shard_id, num_samples, fingerprint, redo)
+
+    lane_task.__name__ = lane_task.__qualname__ = f"{spec.name}_shard"
+    return app.task(name=spec.task_name, base=LaneTask, bind=True)(lane_task)
+
+
+# One task per lane, by lane name.
+LANE_TASKS: dict[str, Task] = {name: _register(spec) for name, spec in LANES.items()}
+
+
+def send_to_lane(lane: str, shard_id: str, num_samples: int, fingerprint: str, *, redo: bool = False) -> None:
+    LANE_TASKS[lane].apply_async(
+        args=(shard_id, num_samples, fingerprint), kwargs={"redo": redo}, queue=LANES[lane].queue
     )

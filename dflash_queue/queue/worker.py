@@ -35,55 +35,15 @@ from celery import signals
 
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
+from dflash_queue.lanes.registry import lane
 from dflash_queue.ledger import Ledger
 from dflash_queue.ops.doctor.broker import durability_warnings
-from dflash_queue.queue import runtime
-from dflash_queue.queue.app import EXTRACT_QUEUE, GENERATE_QUEUE, configure_app
+from dflash_queue.queue.app import LaneApp, configure_app
+from dflash_queue.queue.runtime import WorkerRuntime
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.checks import require_storage
 
-LANES = {"generate": GENERATE_QUEUE, "extract": EXTRACT_QUEUE}
 log = logging.getLogger(__name__)
-
-
-def build_lane(config: Config, lane: str, storage: Storage | None = None):
-    if lane == "generate":
-        from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
-
-        return GenerateLane(config, build_generate_engine(config), storage)
-    if lane == "extract":
-        from dflash_queue.lanes.extract import ExtractLane, build_extractor
-
-        return ExtractLane(config, build_extractor(config), storage)
-    raise ValueError(f"unknown lane {lane!r}; expected one of {sorted(LANES)}")
-
-
-def default_concurrency(config: Config, lane: str) -> int:
-    """Task slots unless told otherwise: the vLLM lane keeps `inflight_tasks` shards feeding one engine; the
-    extract lane keeps one computing while others wait for their uploads (a task holds one of the uploader's
-    max_pending staging slots from before its compute until its shard is stored; the extra slot is a task that
-    waits for a staging slot, ready to compute)."""
-    if lane == "generate" and config.generate.engine == "vllm":
-        return config.generate.vllm.inflight_tasks
-    if lane == "extract":
-        return 1 + config.storage.uploader.max_pending
-    return 1
-
-
-def _warn_if_engine_can_drain(config: Config, lane: str, concurrency: int) -> None:
-    if lane != "generate" or config.generate.engine != "vllm":
-        return
-    waiting = (concurrency - 1) * config.dataset.shard_size
-    if waiting < config.generate.vllm.max_num_seqs:
-        log.warning(
-            "with %d tasks in flight of %d samples each, the other tasks hold %d requests while one task "
-            "finishes, fewer than generate.vllm.max_num_seqs (%d): the engine will run part-empty at task "
-            "boundaries; raise generate.vllm.inflight_tasks or dataset.shard_size",
-            concurrency,
-            config.dataset.shard_size,
-            waiting,
-            config.generate.vllm.max_num_seqs,
-        )
 
 
 WORKER_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
@@ -103,41 +63,37 @@ def open_checked_storage(config: Config) -> Storage:
 
 def run_worker(
     config: Config,
-    lane: str,
+    lane_name: str,
     *,
     concurrency: int | None = None,
     hostname: str | None = None,
     loglevel: str = "INFO",
 ) -> int:
     """Run a lane worker until it is stopped; returns the process exit code."""
-    if lane not in LANES:
-        raise ValueError(f"unknown lane {lane!r}; expected one of {sorted(LANES)}")
+    spec = lane(lane_name)
     # Logging from the start, in Celery's format (Celery keeps a root logger that is already set up), so that
     # start-up warnings and the engine's loading carry a level and a time.
     logging.basicConfig(level=loglevel.upper(), format=WORKER_LOG_FORMAT)
     app = configure_app(config)
-    concurrency = concurrency or default_concurrency(config, lane)
-    _warn_if_engine_can_drain(config, lane, concurrency)
-    for warning in durability_warnings(config.broker.url):
+    concurrency = concurrency or spec.default_slots(config)
+    for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(config.broker.url)]:
         log.warning("%s", warning)
     storage = open_checked_storage(config)
-    log.info("loading the %s engine for %s", lane, config.model.display_name)
-    rt = runtime.WorkerRuntime(
+    log.info("loading the %s engine for %s", spec.name, config.model.display_name)
+    rt = WorkerRuntime(
         config=config,
         fingerprint=config.fingerprint(),
         ledger=Ledger.from_url(config.broker.url, config.run.name),
-        lanes={lane: build_lane(config, lane, storage)},
-        storage=storage,
+        lanes={spec.name: spec.build(config, storage)},
         dead_letters=DeadLetters.from_url(config.broker.url, config.run.name),
+        storage=storage,
     )
-    runtime.install(rt)
-    signals.worker_shutting_down.connect(_begin_shutdown, weak=False)
-    signals.worker_shutdown.connect(_release_engine, weak=False)
-    node = hostname or f"{lane}-{config.run.name}@{socket.gethostname()}"
+    _attach(app, rt)
+    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
     code = app.start(
         [
             "worker",
-            f"--queues={LANES[lane]}",
+            f"--queues={spec.queue}",
             "--pool=threads",
             f"--concurrency={concurrency}",
             f"--hostname={node}",
@@ -153,15 +109,18 @@ def run_worker(
     return code or 0
 
 
-def _begin_shutdown(**_kwargs) -> None:
-    try:
-        runtime.current().begin_shutdown()
-    except RuntimeError:  # no runtime installed: nothing to tell
-        pass
+def _attach(app: LaneApp, rt: WorkerRuntime) -> None:
+    """Hand the runtime to the app's tasks; warm shutdown tells the lanes, worker shutdown releases the engines."""
+    app.worker_runtime = rt
 
+    def begin_shutdown(**_kwargs) -> None:
+        rt.begin_shutdown()
 
-def _release_engine(**_kwargs) -> None:
-    rt = runtime.uninstall()
-    if rt is not None:
-        log.info("releasing engines")
-        rt.close()
+    def release_engines(**_kwargs) -> None:
+        if app.worker_runtime is rt:
+            app.worker_runtime = None
+            log.info("releasing engines")
+            rt.close()
+
+    signals.worker_shutting_down.connect(begin_shutdown, weak=False)
+    signals.worker_shutdown.connect(release_engines, weak=False)

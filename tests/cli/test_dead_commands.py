@@ -11,9 +11,9 @@ from pathlib import Path
 import redis
 from click.testing import CliRunner
 
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.cli import main
 from dflash_queue.deadletters import MESSAGE, SAMPLE, TASK, DeadLetter, DeadLetters, exception_fields, record_id
-from dflash_queue.queue.app import EXTRACT_QUEUE, GENERATE_QUEUE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,12 +52,12 @@ def test_requeue_sends_one_message_per_shard_and_purge_confirms(make_config, red
     run = CliRunner().invoke
     dry = run(main, ["dead", "requeue", "--all", "-c", config.source, "--dry-run"])
     assert dry.output.count("would send") == 2 and "skipped: generate:message:m1" in dry.output
-    assert broker.llen(GENERATE_QUEUE) == broker.llen(EXTRACT_QUEUE) == 0 and dead.count() == 4
+    assert broker.llen(GENERATE.queue) == broker.llen(EXTRACT.queue) == 0 and dead.count() == 4
 
     # Requeueing one poison sample takes its sibling too: the redo of shard e1 covers both.
     sent = run(main, ["dead", "requeue", "extract:e1:a", "-c", config.source])
     assert sent.exit_code == 0 and "sent: extract:e1:a, extract:e1:b: dfq.extract(e1, redo)" in sent.output
-    [message] = [json.loads(m) for m in broker.lrange(EXTRACT_QUEUE, 0, -1)]
+    [message] = [json.loads(m) for m in broker.lrange(EXTRACT.queue, 0, -1)]
     args, kwargs, _ = json.loads(base64.b64decode(message["body"]))
     assert args == ["e1", 8, config.fingerprint()] and kwargs == {"redo": True}
     assert run(main, ["dead", "requeue", "extract:e1:a", "-c", config.source]).output.count("sent") == 0

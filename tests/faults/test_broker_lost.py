@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.lanes.registry import GENERATE
 from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import GENERATE_QUEUE
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.keys import COMPLETIONS, SHARDS, shard_id_of
 from dflash_queue.testing.jobs import connect, done_count, exactly_once_problems, first_lines
@@ -65,7 +65,7 @@ def test_a_lost_broker_is_rebuilt_from_storage(make_config, redis_url, start_wor
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"shards: 8 ({len(not_done)} enqueued, {len(done)} already done; rebuild" in result.stdout
-    messages = [json.loads(raw) for raw in redis.Redis.from_url(redis_url).lrange(GENERATE_QUEUE, 0, -1)]
+    messages = [json.loads(raw) for raw in redis.Redis.from_url(redis_url).lrange(GENERATE.queue, 0, -1)]
     assert sorted(json.loads(base64.b64decode(m["body"]))[0][0] for m in messages) == sorted(not_done)
 
     workers = [start_worker(config, "generate"), start_worker(config, "extract")]

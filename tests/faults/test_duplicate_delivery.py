@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_queue.lanes.registry import GENERATE
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import GENERATE_QUEUE, configure_app
-from dflash_queue.queue.tasks import generate_shard
+from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.tasks import LANE_TASKS
 from dflash_queue.testing.jobs import assert_accounted
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
@@ -30,7 +31,7 @@ def test_duplicate_delivery_to_two_workers_writes_each_shard_once(make_config, r
     def send_twice(shard_id: str, num_samples: int, fingerprint: str) -> None:
         # Back to back on one queue: each of the two idle generate workers takes one copy at the same time.
         for _ in range(2):
-            generate_shard.apply_async(args=(shard_id, num_samples, fingerprint), queue=GENERATE_QUEUE)
+            LANE_TASKS["generate"].apply_async(args=(shard_id, num_samples, fingerprint), queue=GENERATE.queue)
 
     ledger = Ledger.from_url(redis_url, config.run.name)
     report = Producer(config, ledger).enqueue([dataset], send=send_twice)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import EXTRACT_QUEUE, EXTRACT_TASK, GENERATE_QUEUE, GENERATE_TASK, configure_app
+from dflash_queue.queue.app import configure_app
 from dflash_queue.testing.jobs import assert_accounted
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
@@ -38,14 +39,14 @@ def test_malformed_messages_are_dead_lettered_and_workers_carry_on(make_config, 
     config = make_config(dataset={"shard_size": 4}, quality=FLAG_EVERYTHING, **{"generate.sampling": {"max_tokens": 8}})
     app = configure_app(config)
     workers = [start_worker(config, "generate"), start_worker(config, "extract")]
-    headers = {"lang": "py", "task": GENERATE_TASK, "id": "bad-json", "argsrepr": "", "kwargsrepr": ""}
-    publish_raw(app, GENERATE_QUEUE, b'[["shard", 4, "fp"], {}, {', content_type="application/json", headers=headers)
-    publish_raw(app, GENERATE_QUEUE, b"{not json at all", content_type="application/json", headers=None)
-    publish_raw(app, EXTRACT_QUEUE, b"\x80\x04K\x01.", content_type="application/x-python-serialize",
-                headers={**headers, "task": EXTRACT_TASK, "id": "pickled"})
-    app.send_task("dfq.no_such_task", args=["x"], queue=GENERATE_QUEUE, task_id="unknown-task")
-    app.send_task(GENERATE_TASK, args=["some-shard"], queue=GENERATE_QUEUE, task_id="too-few-args")
-    app.send_task(EXTRACT_TASK, args=[1, 2, 3, 4, 5, 6], queue=EXTRACT_QUEUE, task_id="too-many-args")
+    headers = {"lang": "py", "task": GENERATE.task_name, "id": "bad-json", "argsrepr": "", "kwargsrepr": ""}
+    publish_raw(app, GENERATE.queue, b'[["shard", 4, "fp"], {}, {', content_type="application/json", headers=headers)
+    publish_raw(app, GENERATE.queue, b"{not json at all", content_type="application/json", headers=None)
+    publish_raw(app, EXTRACT.queue, b"\x80\x04K\x01.", content_type="application/x-python-serialize",
+                headers={**headers, "task": EXTRACT.task_name, "id": "pickled"})
+    app.send_task("dfq.no_such_task", args=["x"], queue=GENERATE.queue, task_id="unknown-task")
+    app.send_task(GENERATE.task_name, args=["some-shard"], queue=GENERATE.queue, task_id="too-few-args")
+    app.send_task(EXTRACT.task_name, args=[1, 2, 3, 4, 5, 6], queue=EXTRACT.queue, task_id="too-many-args")
 
     dead = DeadLetters.from_url(redis_url, config.run.name)
     deadline = time.monotonic() + 120

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -123,8 +124,10 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     # In the last 5 minutes: 4 shards generated and extracted, so 1 shard per 75 s per lane.
     ledger.add({"generate_shards": 4, "generate_samples": 32, "gate_keep": 28, "gate_flag": 2,
                 "gate_drop": 4, "gate_stub_drop": 3, "gate_truncated_flag": 2, "gate_empty_drop": 1,
-                "finish_stop": 37, "finish_length": 5}, now=now - 10)
-    ledger.add({"extract_shards": 4, "extract_samples": 26}, now=now - 5)
+                "finish_stop": 37, "finish_length": 5, "generate_prompt_tokens": 1200,
+                "generate_completion_tokens": 3400}, now=now - 10)
+    ledger.add({"extract_shards": 4, "extract_samples": 26, "extract_tokens": 4600, "extract_bytes": 5_000_000},
+               now=now - 5)
     dead = DeadLetters.from_url(redis_url, config.run.name)
     for shard in ("s7", "s8"):
         dead.add(DeadLetter(record_id(TASK, "generate", shard), TASK, "generate", "dfq.generate", shard))
@@ -146,6 +149,10 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     assert "4 dropped" in text and "6 min" in text
     assert f"1 shard(s) marked done have no training file in {config.storage.url} (e.g. s3)" in " ".join(text.split())
     assert "truncated 5 · stopped 37" in text
+    # Each lane's volume as the registry declares it: the generate column, then the extract column.
+    assert re.search(r"tokens +│ prompt 1,200 · generated 3,400 +│ 4,600 · 5.0 MB +│", text)
+    assert re.search(r"throughput +│ prompt 4.0 tok/s · generated 11.3 tok/s +│ 15.3 tok/s · 16.7 KB/s +│", text)
+    assert "no sample checked yet" in text
 
 
 def test_queue_depth_counts_priority_queues_and_unacked_by_lane(redis_url):

@@ -3,19 +3,18 @@ shutdown with uploads in flight (real `dflash-queue worker` subprocesses, redis-
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
 import redis
 
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.ledger import DONE, Ledger
-from dflash_queue.queue.app import EXTRACT_QUEUE, configure_app
-from dflash_queue.queue.tasks import extract_shard
-from dflash_queue.queue.worker import _warn_if_engine_can_drain, default_concurrency
+from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.tasks import LANE_TASKS
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
@@ -30,20 +29,18 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_vllm_lane_runs_its_configured_tasks_in_flight(make_config):
     vllm = make_config("vllm.toml", **tiny_vllm_overrides(inflight_tasks=4))
     transformers = make_config("hf.toml")
-    assert default_concurrency(vllm, "generate") == 4
-    assert default_concurrency(transformers, "generate") == 1
+    assert GENERATE.default_slots(vllm) == 4
+    assert GENERATE.default_slots(transformers) == 1
     # Extract: one slot computing while up to max_pending wait for their uploads.
-    assert default_concurrency(vllm, "extract") == 1 + vllm.storage.uploader.max_pending
+    assert EXTRACT.default_slots(vllm) == 1 + vllm.storage.uploader.max_pending
 
 
-def test_a_warning_when_the_other_tasks_cannot_fill_the_engine(make_config, caplog):
+def test_a_warning_when_the_other_tasks_cannot_fill_the_engine(make_config):
     config = make_config(**tiny_vllm_overrides(max_num_seqs=32), dataset={"shard_size": 8})
-    with caplog.at_level(logging.WARNING, logger="dflash_queue.queue.worker"):
-        _warn_if_engine_can_drain(config, "generate", concurrency=5)  # 4 other tasks hold 32 requests
-    assert not caplog.records
-    with caplog.at_level(logging.WARNING, logger="dflash_queue.queue.worker"):
-        _warn_if_engine_can_drain(config, "generate", concurrency=2)
-    assert "fewer than generate.vllm.max_num_seqs (32)" in caplog.text
+    assert GENERATE.startup_warnings(config, 5) == []  # 4 other tasks hold 32 requests
+    [warning] = GENERATE.startup_warnings(config, 2)
+    assert "fewer than generate.vllm.max_num_seqs (32)" in warning
+    assert EXTRACT.startup_warnings(config, 1) == []
 
 
 def test_worker_refuses_to_start_when_the_bucket_is_missing(make_config, s3_tables, start_worker):
@@ -84,7 +81,7 @@ def test_warm_shutdown_stores_or_requeues_every_shard(make_config, s3_tables, st
     ledger = Ledger.from_url(redis_url, config.run.name)
     worker = start_worker(config, "extract")
     for shard_id in shard_ids:
-        extract_shard.apply_async(args=(shard_id, 4, config.fingerprint()), queue=EXTRACT_QUEUE)
+        LANE_TASKS["extract"].apply_async(args=(shard_id, 4, config.fingerprint()), queue=EXTRACT.queue)
     # Stop as soon as the first shard is done, while the others are queued, computing or uploading.
     deadline = time.monotonic() + 300
     while DONE not in ledger.states(shard_ids).values():
@@ -99,7 +96,7 @@ def test_warm_shutdown_stores_or_requeues_every_shard(make_config, s3_tables, st
     for shard_id in done:
         with storage.local_copy(shard_key(shard_id)) as path:
             assert len(TrainingShard(path)) == 4
-    assert broker.llen(EXTRACT_QUEUE) == len(shard_ids) - len(done), worker.log_tail()
+    assert broker.llen(EXTRACT.queue) == len(shard_ids) - len(done), worker.log_tail()
     assert broker.hlen("unacked") == 0
     assert list(config.staging_dir.glob("*/*")) == []
     assert storage.incomplete_uploads() == []

@@ -1,0 +1,173 @@
+"""Every lane, declared once: its queue and task, the ledger states it moves a shard through, the counters it
+keeps, how its resident engine is built, how many tasks a worker runs at once, and the lane that follows it.
+
+The Celery app, the tasks, workers, `status`, `requeue`, dead letters and the single-box runner all read this
+table; a lane's work itself lives in its own module (`lanes/generate.py`, `lanes/extract.py`), named here by
+import path so that reading the table loads no engine. DEVELOPERS.md shows how to add one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from dflash_queue.ledger import CANARY_ERROR, DONE, GENERATED, QUEUED
+
+if TYPE_CHECKING:
+    from dflash_queue.config import Config
+    from dflash_queue.storage import Storage
+
+
+class LaneSummary(Protocol):
+    """What a lane's `run(shard_id, redo=...)` returns, as the generic lane task uses it."""
+
+    skipped: bool  # the output was already stored: nothing was computed, nothing is counted
+    poisoned: tuple[tuple[str, BaseException], ...]  # samples left out, each to a dead letter
+
+    def counters(self) -> dict[str, int]: ...
+
+    def maxima(self) -> dict[str, float]: ...
+
+    @property
+    def handed_on(self) -> int: ...  # samples the next lane receives
+
+    def describe(self) -> str: ...
+
+
+class ResidentLane(Protocol):
+    """A lane's worker-side object: loaded once per worker process, then `run` per shard."""
+
+    def run(self, shard_id: str, *, redo: bool = False) -> LaneSummary: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class LaneSpec:
+    name: str  # also its queue's name
+    task_name: str
+    # "module:function" of `(config, storage) -> ResidentLane`, imported only by a worker of this lane.
+    builder: str
+    default_slots: Callable[[Config], int]
+    # The state of a shard waiting for this lane (set again when a dead letter of this lane is requeued), the
+    # states that count as waiting, the state this lane's task leaves behind, and the states past this lane.
+    waiting_state: str
+    pending_states: frozenset[str]
+    finished_state: str
+    done_states: frozenset[str]
+    # (ledger counter, label) shown by `status`, each with a rate; `{name}_shards` is counted per shard too.
+    counters: tuple[tuple[str, str], ...]
+    # How `status` shows the lane's volume: (counter label, caption, "tokens" or "bytes"), in order.
+    volume: tuple[tuple[str, str, str], ...] = ()
+    # Rows of the status view that only some lanes fill: "turns" and "quality gate" (a lane that generates),
+    # "canary" (a lane that checks its states; its ledger maximum is `canary_error`).
+    status_rows: frozenset[str] = frozenset()
+    canary_error: str | None = None
+    next_lane: str | None = None
+    # Warnings a worker logs at start-up for this lane's settings, given its task slots.
+    startup_warnings: Callable[[Config, int], list[str]] = lambda config, slots: []
+
+    @property
+    def queue(self) -> str:
+        return self.name
+
+    @property
+    def busy_counter(self) -> str:
+        return f"{self.name}_busy_ms"
+
+    @property
+    def shards_counter(self) -> str:
+        return f"{self.name}_shards"
+
+    @property
+    def canary_counter(self) -> str:
+        return f"{self.name}_canary_samples"
+
+    def build(self, config: Config, storage: Storage | None = None) -> ResidentLane:
+        module, _, function = self.builder.partition(":")
+        return getattr(importlib.import_module(module), function)(config, storage)
+
+
+def _generate_slots(config: Config) -> int:
+    """The vLLM lane keeps `inflight_tasks` shards feeding one engine; the Transformers engine runs one."""
+    return config.generate.vllm.inflight_tasks if config.generate.engine == "vllm" else 1
+
+
+def _extract_slots(config: Config) -> int:
+    """One task computing while others wait for their uploads: a task holds one of the uploader's max_pending
+    staging slots from before its compute until its shard is stored; the extra slot is a task that waits for a
+    staging slot, ready to compute."""
+    return 1 + config.storage.uploader.max_pending
+
+
+def _generate_warnings(config: Config, slots: int) -> list[str]:
+    if config.generate.engine != "vllm":
+        return []
+    waiting = (slots - 1) * config.dataset.shard_size
+    if waiting >= config.generate.vllm.max_num_seqs:
+        return []
+    return [
+        f"with {slots} tasks in flight of {config.dataset.shard_size} samples each, the other tasks hold "
+        f"{waiting} requests while one task finishes, fewer than generate.vllm.max_num_seqs "
+        f"({config.generate.vllm.max_num_seqs}): the engine will run part-empty at task boundaries; raise "
+        "generate.vllm.inflight_tasks or dataset.shard_size"
+    ]
+
+
+GENERATE = LaneSpec(
+    name="generate",
+    task_name="dfq.generate",
+    builder="dflash_queue.lanes.generate:build_generate_lane",
+    default_slots=_generate_slots,
+    waiting_state=QUEUED,
+    pending_states=frozenset({QUEUED}),
+    finished_state=GENERATED,
+    done_states=frozenset({GENERATED, DONE}),
+    counters=(
+        ("generate_samples", "samples"),
+        ("generate_prompt_tokens", "prompt_tokens"),
+        ("generate_completion_tokens", "generated_tokens"),
+    ),
+    volume=(("prompt_tokens", "prompt", "tokens"), ("generated_tokens", "generated", "tokens")),
+    status_rows=frozenset({"turns", "quality gate"}),
+    next_lane="extract",
+    startup_warnings=_generate_warnings,
+)
+
+EXTRACT = LaneSpec(
+    name="extract",
+    task_name="dfq.extract",
+    builder="dflash_queue.lanes.extract:build_extract_lane",
+    default_slots=_extract_slots,
+    waiting_state=GENERATED,
+    pending_states=frozenset({QUEUED, GENERATED}),
+    finished_state=DONE,
+    done_states=frozenset({DONE}),
+    counters=(
+        ("extract_samples", "samples"),
+        ("extract_tokens", "tokens"),
+        ("extract_bytes", "bytes"),
+    ),
+    volume=(("tokens", "", "tokens"), ("bytes", "", "bytes")),
+    status_rows=frozenset({"canary"}),
+    canary_error=CANARY_ERROR,
+)
+
+# In pipeline order: the first lane takes staged shards, the last one's output is the training shard.
+LANES: dict[str, LaneSpec] = {spec.name: spec for spec in (GENERATE, EXTRACT)}
+FIRST_LANE = next(iter(LANES.values()))
+FINAL_LANE = next(spec for spec in LANES.values() if spec.next_lane is None)
+
+
+def lane(name: str) -> LaneSpec:
+    try:
+        return LANES[name]
+    except KeyError:
+        raise ValueError(f"unknown lane {name!r}; expected one of {sorted(LANES)}") from None
+
+
+def lane_of_task(task_name: str) -> LaneSpec | None:
+    return next((spec for spec in LANES.values() if spec.task_name == task_name), None)
+
