@@ -10,6 +10,7 @@ import click
 
 from dflash_queue.cli.common import config_option, load
 from dflash_queue.errors import ConfigError
+from dflash_queue.lanes.registry import LANES
 
 
 def _groups(value: str | None, option: str) -> tuple[tuple[int, ...], ...]:
@@ -28,11 +29,19 @@ def systemd() -> None:
     """systemd units: one worker per GPU (or tensor-parallel group) and lane, Flower, and dflash.target."""
 
 
+def _lane_group_options(command):
+    """One --LANE option per lane of the registry: that lane's workers' GPU groups."""
+    for lane in reversed(LANES):
+        command = click.option(
+            f"--{lane}", f"{lane}_groups", default=None, help=f"{lane.capitalize()} workers' GPU groups: 0,1 or 0-1,2-3."
+        )(command)
+    return command
+
+
 @systemd.command("install")
 @config_option
 @click.option("--gpus", default=None, help="This node's GPUs, a count (8) or a list (0,1,2,3); checks the layout.")
-@click.option("--generate", "generate_groups", default=None, help="Generate workers' GPU groups: 0,1 or 0-1,2-3.")
-@click.option("--extract", "extract_groups", default=None, help="Extract workers' GPU groups, same form.")
+@_lane_group_options
 @click.option("--flower/--no-flower", default=True, show_default=True, help="Also install dflash-flower.service.")
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=Path("/etc/systemd/system"),
               show_default=True, help="Where the unit files go.")
@@ -47,8 +56,6 @@ def systemd() -> None:
 def systemd_install(
     config_path: Path,
     gpus: str | None,
-    generate_groups: str | None,
-    extract_groups: str | None,
     flower: bool,
     dest: Path,
     env_file: Path | None,
@@ -56,6 +63,7 @@ def systemd_install(
     user: str,
     systemd_version: int | None,
     force_env: bool,
+    **lane_groups: str | None,
 ) -> None:
     """Write the units and their environment file for CONFIG and this node's GPU layout.
 
@@ -79,7 +87,7 @@ def systemd_install(
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--gpus") from None
     layout = UnitLayout(
-        generate=_groups(generate_groups, "--generate"), extract=_groups(extract_groups, "--extract"), flower=flower
+        workers={lane: _groups(lane_groups[f"{lane}_groups"], f"--{lane}") for lane in LANES}, flower=flower
     )
     settings = InstallSettings(
         config_path=config_path.resolve(),

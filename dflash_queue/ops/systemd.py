@@ -17,10 +17,9 @@ from importlib import resources
 from pathlib import Path
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops.gpus import instance_name
 
-GENERATE_UNIT = "dflash-generate@.service"
-EXTRACT_UNIT = "dflash-extract@.service"
 FLOWER_UNIT = "dflash-flower.service"
 TARGET_UNIT = "dflash.target"
 DEFAULT_ENV_FILE = Path("/etc/dflash-queue/dflash.env")
@@ -38,29 +37,44 @@ BACKOFF_MIN_SYSTEMD = 254
 GpuGroup = tuple[int, ...]
 
 
+def worker_unit(lane: str) -> str:
+    """The template unit of a lane's workers (`units/dflash-{lane}@.service`)."""
+    return f"dflash-{lane}@.service"
+
+
 @dataclass(frozen=True)
 class UnitLayout:
-    """Which GPU groups run a generate worker and which an extract worker on this node."""
+    """Which GPU groups run a worker of which lane on this node: lane name -> GPU groups."""
 
-    generate: tuple[GpuGroup, ...] = ()
-    extract: tuple[GpuGroup, ...] = ()
+    workers: dict[str, tuple[GpuGroup, ...]] = field(default_factory=dict)
     flower: bool = True
 
+    def lanes(self) -> list[str]:
+        """Lanes with workers here, in pipeline order."""
+        return [lane for lane in LANES if self.workers.get(lane)]
+
     def instances(self) -> list[str]:
-        units = [f"dflash-generate@{instance_name(g)}.service" for g in self.generate]
-        units += [f"dflash-extract@{instance_name(g)}.service" for g in self.extract]
+        units = [
+            worker_unit(lane).replace("@", f"@{instance_name(group)}")
+            for lane in self.lanes()
+            for group in self.workers[lane]
+        ]
         if self.flower:
             units.append(FLOWER_UNIT)
         return units
 
     def check(self, node_gpus: tuple[int, ...] | None = None) -> list[str]:
-        """Errors raise; returns warnings (a GPU shared by a generate and an extract worker)."""
-        if not self.generate and not self.extract:
-            raise ValueError("no workers: give --generate and/or --extract GPU groups")
+        """Errors raise; returns warnings (a GPU shared by workers of several lanes)."""
+        unknown = sorted(set(self.workers) - set(LANES))
+        if unknown:
+            raise ValueError(f"unknown lane(s) {unknown}; lanes are {list(LANES)}")
+        if not self.lanes():
+            raise ValueError("no workers: give " + " and/or ".join(f"--{lane}" for lane in LANES) + " GPU groups")
         warnings = []
-        for lane, groups in (("generate", self.generate), ("extract", self.extract)):
+        users: dict[int, list[str]] = {}
+        for lane in self.lanes():
             seen: dict[int, GpuGroup] = {}
-            for group in groups:
+            for group in self.workers[lane]:
                 for gpu in group:
                     if gpu in seen:
                         raise ValueError(
@@ -70,10 +84,13 @@ class UnitLayout:
                     seen[gpu] = group
                     if node_gpus is not None and gpu not in node_gpus:
                         raise ValueError(f"--{lane}: GPU {gpu} is not one of this node's GPUs {list(node_gpus)}")
-        shared = sorted({g for grp in self.generate for g in grp} & {g for grp in self.extract for g in grp})
+            for gpu in seen:
+                users.setdefault(gpu, []).append(lane)
+        shared = sorted(gpu for gpu, lanes in users.items() if len(lanes) > 1)
         if shared:
+            lanes = sorted({lane for gpu in shared for lane in users[gpu]}, key=list(LANES).index)
             warnings.append(
-                f"GPUs {shared} run both a generate and an extract worker: both engines must fit in memory"
+                f"GPUs {shared} run workers of several lanes ({', '.join(lanes)}): every engine must fit in memory"
             )
         return warnings
 
@@ -135,11 +152,7 @@ def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) 
         "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),
         "WANTS": " ".join(layout.instances()),
     }
-    names = [TARGET_UNIT]
-    if layout.generate:
-        names.append(GENERATE_UNIT)
-    if layout.extract:
-        names.append(EXTRACT_UNIT)
+    names = [TARGET_UNIT, *(worker_unit(lane) for lane in layout.lanes())]
     if layout.flower:
         names.append(FLOWER_UNIT)
     return {name: _fill(template(name), fields) for name in names}

@@ -25,7 +25,7 @@ from dflash_queue.queue.app import configure_app
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
-LAYOUT = UnitLayout(generate=((0, 1), (2,)), extract=((3,),))
+LAYOUT = UnitLayout({"generate": ((0, 1), (2,)), "extract": ((3,),)})
 
 
 def settings(tmp_path: Path, config, **overrides) -> InstallSettings:
@@ -114,13 +114,15 @@ def test_backoff_keys_only_for_a_systemd_that_knows_them(make_config, tmp_path):
 
 def test_layout_errors_and_warnings(make_config, tmp_path):
     with pytest.raises(ValueError, match="GPU 1 is in two generate groups"):
-        UnitLayout(generate=((0, 1), (1,))).check()
+        UnitLayout({"generate": ((0, 1), (1,))}).check()
     with pytest.raises(ValueError, match="GPU 4 is not one of this node's GPUs"):
-        UnitLayout(extract=((4,),)).check((0, 1, 2, 3))
-    with pytest.raises(ValueError, match="no workers"):
+        UnitLayout({"extract": ((4,),)}).check((0, 1, 2, 3))
+    with pytest.raises(ValueError, match="no workers: give --generate and/or --extract GPU groups"):
         UnitLayout().check()
-    assert UnitLayout(generate=((0,),), extract=((0,),)).check() == [
-        "GPUs [0] run both a generate and an extract worker: both engines must fit in memory"
+    with pytest.raises(ValueError, match=r"unknown lane\(s\) \['audit'\]"):
+        UnitLayout({"audit": ((0,),)}).check()
+    assert UnitLayout({"extract": ((0,), (1,)), "generate": ((0,), (2,))}).check() == [
+        "GPUs [0] run workers of several lanes (generate, extract): every engine must fit in memory"
     ]
 
 
@@ -194,3 +196,23 @@ def test_generate_unit_command_starts_a_worker_named_for_its_gpus(make_config, t
         log.close()
     assert code == 0, (tmp_path / "worker.log").read_text()[-3000:]
     assert report.written
+
+
+def test_the_install_command_takes_one_gpu_group_option_per_lane(make_config, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_queue.cli import main
+
+    config = make_config()
+    dest = tmp_path / "units"
+    result = CliRunner().invoke(main, [
+        "systemd", "install", "-c", config.source, "--generate", "0-1", "--extract", "2,3", "--no-flower",
+        "--dest", str(dest), "--env-file", str(tmp_path / "dflash.env"), "--systemd-version", "254",
+    ])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in dest.iterdir()) == ["dflash-extract@.service", "dflash-generate@.service",
+                                                      "dflash.target"]
+    wants = directive((dest / "dflash.target").read_text(), "Wants")
+    assert wants == ["dflash-generate@0-1.service dflash-extract@2.service dflash-extract@3.service"]
+    bad = CliRunner().invoke(main, ["systemd", "install", "-c", config.source, "--extract", "x", "--dest", str(dest)])
+    assert bad.exit_code == 2 and "--extract" in bad.output
