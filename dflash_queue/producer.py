@@ -1,6 +1,7 @@
-"""The producer: read datasets, stage prompt shards in storage, enqueue one generate task per shard.
+"""The producer: stage prompt shards in storage and send one task per shard to the first lane.
 
-read -> dedupe -> thinking policy -> length filter (real tokenizer + chat template) -> shards -> stage -> send.
+samples (dflash_queue.staging: read -> dedupe -> thinking policy -> length filter) -> shards -> prompt files
+-> send.
 
 Re-running it is safe: a shard whose training file exists is done, and a shard the ledger shows queued or
 in progress already has a message; both are skipped. Shard ids derive from sample ids, so the same dataset
@@ -25,22 +26,27 @@ the shard is marked queued before its message is sent, so a worker's state updat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_queue.config import Config
 from dflash_queue.data.length import LengthFilter
-from dflash_queue.data.problems import BadRecord, ProblemLog
-from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.data.thinking import apply_thinking_policy
 from dflash_queue.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
 from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.storage.keys import SHARDS, prompts_key, shard_id_of
+from dflash_queue.shards.keys import prompts_key, stored_shard_ids
+from dflash_queue.staging import (
+    EnqueueReport,
+    batched,
+    build_length_filter,
+    checked_formatter,
+    growing_batches,
+    iter_samples,
+)
 
 # Shards per ledger round trip. The first groups are smaller (1, 2, 4, ...) so that workers get their first
 # messages while the rest is still being staged.
@@ -54,149 +60,6 @@ class _StagedGroup:
     group: list[list[Sample]]
     to_send: list[tuple[str, int]]
     writes: list[Future]
-
-
-@dataclass
-class EnqueueReport:
-    # Valid, distinct samples read (before the length filter).
-    samples: int = 0
-    duplicates: int = 0
-    # Samples in shards (after the length filter).
-    staged: int = 0
-    thinking_on: int = 0
-    prompt_tokens: int = 0
-    max_prompt_tokens: int = 0
-    shards: int = 0
-    enqueued: int = 0
-    skipped_done: int = 0
-    skipped_queued: int = 0
-    # Rebuild only: shards sent again although the ledger showed them queued or in progress.
-    resent_in_progress: int = 0
-    # Shards the ledger showed done whose training file is not in storage: sent again.
-    resent_missing: int = 0
-    rebuild: bool = False
-    # Rebuild only: the run name had been made with another config and was started over (what differed).
-    restarted: list[str] = field(default_factory=list)
-    shard_ids: list[str] = field(default_factory=list)
-    pending_samples: int = 0
-    problems: ProblemLog = field(default_factory=ProblemLog)
-    too_long: ProblemLog = field(default_factory=ProblemLog)
-
-    def lines(self) -> list[str]:
-        out = [
-            f"samples: {self.samples} ({self.duplicates} exact duplicates dropped, "
-            f"{self.too_long.total} too long for the context skipped, {self.staged} staged, "
-            f"thinking on for {self.thinking_on})",
-        ]
-        if self.staged and self.prompt_tokens:
-            out.append(
-                f"prompt tokens: {self.prompt_tokens} (mean {self.prompt_tokens / self.staged:.0f}, "
-                f"max {self.max_prompt_tokens})"
-            )
-        if self.rebuild:
-            shards = (
-                f"shards: {self.shards} ({self.enqueued} enqueued, {self.skipped_done} already done; rebuild: "
-                f"ledger ignored, {self.resent_in_progress} of those enqueued it showed queued or in progress)"
-            )
-        else:
-            shards = (
-                f"shards: {self.shards} ({self.enqueued} enqueued, {self.skipped_done} already done, "
-                f"{self.skipped_queued} already queued)"
-            )
-        out.append(shards)
-        if self.restarted:
-            out.append("rebuild: the run had been made with other settings and was started over:")
-            out.extend("  " + line for line in self.restarted)
-        if self.resent_missing:
-            out.append(
-                f"sent again: {self.resent_missing} shard(s) the ledger showed done have no training file in storage"
-            )
-        out.append(f"bad records: {self.problems.total}")
-        out.extend("  " + line for line in self.problems.lines())
-        if self.too_long.total:
-            out.append(f"skipped as too long: {self.too_long.total}")
-            out.extend("  " + line for line in self.too_long.lines())
-        return out
-
-
-def iter_samples(
-    config: Config, paths: Iterable[str | Path], report: EnqueueReport, length_filter: LengthFilter | None = None
-) -> Iterator[Sample]:
-    """Valid, de-duplicated samples with their thinking decision that fit the context; everything else counted."""
-    seen: set[str] = set()
-
-    def distinct() -> Iterator[Sample]:
-        for item in read_dataset(
-            paths, max_record_bytes=config.dataset.max_record_bytes, regenerate=config.dataset.regenerate
-        ):
-            if isinstance(item, BadRecord):
-                report.problems.add(item)
-            elif item.id in seen:
-                report.duplicates += 1
-            else:
-                seen.add(item.id)
-                report.samples += 1
-                yield apply_thinking_policy(item, config.dataset.thinking)
-
-    if length_filter is None:
-        for sample in distinct():
-            report.staged += 1
-            report.thinking_on += sample.thinking
-            yield sample
-        return
-    for item in length_filter.filter(distinct()):
-        if isinstance(item, BadRecord):
-            report.too_long.add(item)
-            continue
-        report.staged += 1
-        report.thinking_on += item.sample.thinking
-        report.prompt_tokens += item.prompt_tokens
-        report.max_prompt_tokens = max(report.max_prompt_tokens, item.prompt_tokens)
-        yield item.sample
-
-
-def batched(items: Iterable, size: int) -> Iterator[list]:
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
-def growing_batches(items: Iterable, largest: int) -> Iterator[list]:
-    """Batches of 1, 2, 4, ... items, then `largest` at most."""
-    batch: list = []
-    size = 1
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-            size = min(2 * size, largest)
-    if batch:
-        yield batch
-
-
-def checked_formatter(config: Config):
-    """The target's chat template, refused (ConfigError, the message `doctor` gives) when it cannot do what
-    `dataset.thinking` asks: checked before anything is staged or sent."""
-    from transformers import AutoTokenizer
-
-    from dflash_queue.engines.chat import ChatFormatter
-
-    formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
-    formatter.require_thinking_policy(config.dataset.thinking, config.source)
-    return formatter
-
-
-def build_length_filter(config: Config, formatter=None) -> LengthFilter | None:
-    if not config.dataset.length_filter:
-        return None
-    formatter = formatter or checked_formatter(config)
-    return LengthFilter(formatter, max_model_len=config.max_model_len(), budget=config.generation_budget)
 
 
 class Producer:
@@ -233,7 +96,7 @@ class Producer:
         send = send or _send_generate
         report = EnqueueReport(rebuild=rebuild)
         report.restarted = self.claim_run(rebuild=rebuild)
-        done = {shard_id_of(key) for key in self.storage.list(SHARDS + "/")}
+        done = stored_shard_ids(self.storage)
         samples = iter_samples(self.config, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
             pending: _StagedGroup | None = None
@@ -262,7 +125,8 @@ class Producer:
         if self._restarted is not None:
             return self._restarted
         mine = RunIdentity.of(self.config, self.storage.url)
-        if self.storage.exists(MANIFEST_KEY):
+        manifest_stored = self.storage.exists(MANIFEST_KEY)
+        if manifest_stored:
             stored = RunIdentity.from_json(self.storage.read_bytes(MANIFEST_KEY))
             if stored.fingerprint != mine.fingerprint:
                 raise storage_mismatch(stored, mine)
@@ -276,7 +140,7 @@ class Producer:
                 restarted = recorded.differences(mine)
                 self.ledger.reset()
                 self.ledger.replace_identity(mine.to_json())
-        if not self.storage.exists(MANIFEST_KEY):
+        if not manifest_stored:
             self.storage.write_bytes(MANIFEST_KEY, mine.to_json().encode() + b"\n")
         self._restarted = restarted
         return restarted

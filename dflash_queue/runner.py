@@ -14,13 +14,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
-from dflash_queue.producer import EnqueueReport, Producer, checked_formatter
+from dflash_queue.producer import Producer
+from dflash_queue.staging import EnqueueReport, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
-from dflash_queue.storage.keys import SHARDS, shard_id_of
+from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 
 
 class RunFailed(RuntimeError):
@@ -162,7 +163,7 @@ def run_single_box(
         after = ledger.counters()
         canary_worst = ledger.maxima().get(CANARY_ERROR)
         # Done is what storage holds, not what the ledger says.
-        stored = {shard_id_of(key) for key in producer.storage.list(SHARDS + "/")}
+        stored = stored_shard_ids(producer.storage)
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     missing = sorted(pending - stored - set(failed))
     return RunSummary(

@@ -22,7 +22,7 @@ from dflash_queue.run_identity import MANIFEST_KEY
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import completions_key, shard_key
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.storage.s3 import SHA256_METADATA
 from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.polling import wait_for_states

@@ -23,7 +23,7 @@ from dflash_queue.queue.worker import EXIT_ENGINE_LOST
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import completions_key, shard_key
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.testing.configs import tiny_vllm_overrides
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.jobs import first_lines

@@ -14,7 +14,7 @@ from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import prompts_key, shard_key
+from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -200,7 +200,7 @@ def test_a_thinking_policy_the_template_cannot_honour_is_refused_before_anything
 
 def test_the_first_shards_are_sent_before_the_rest_is_staged(make_config, redis_url):
     """Workers start on the first shard while later ones are still being staged: groups of 1, 2, 4, ..."""
-    from dflash_queue.producer import growing_batches
+    from dflash_queue.staging import growing_batches
 
     assert [len(b) for b in growing_batches(range(20), 8)] == [1, 2, 4, 8, 5]
     config = make_config(dataset={"shard_size": 2})

@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_queue import jsoncodec  # noqa: E402
-from dflash_queue.quality.gate import Verdict  # noqa: E402
+from dflash_queue.shards.verdicts import Verdict  # noqa: E402
 from dflash_queue.shards.completions import (  # noqa: E402
     CompletionRecord,
     ServedTurn,

@@ -49,7 +49,7 @@ from dflash_queue.shards.completions import decode_completions  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
 from dflash_queue.shards.prompts import decode_prompts  # noqa: E402
-from dflash_queue.storage.keys import completions_key, prompts_key  # noqa: E402
+from dflash_queue.shards.keys import completions_key, prompts_key  # noqa: E402
 from dflash_queue.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402

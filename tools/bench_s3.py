@@ -39,7 +39,7 @@ from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
-from dflash_queue.storage.keys import COMPLETIONS, SHARDS, completions_key, prompts_key  # noqa: E402
+from dflash_queue.shards.keys import COMPLETIONS, SHARDS, completions_key, prompts_key  # noqa: E402
 from dflash_queue.storage.s3 import S3Storage, file_sha256  # noqa: E402
 from dflash_queue.testing.configs import tiny_config_tables, write_config  # noqa: E402
 from dflash_queue.testing.polling import wait_for_states  # noqa: E402

@@ -10,7 +10,7 @@ from dflash_queue.audit.outputs import completion_rows, output_lines, shard_rows
 from dflash_queue.audit.targets import Targets, locate
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.training import TrainingShard
-from dflash_queue.storage.keys import COMPLETIONS, SHARDS
+from dflash_queue.shards.keys import COMPLETIONS, SHARDS
 
 
 def audit(paths: list[str], settings: AuditSettings) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def status(config_path: Path, as_json: bool, watch: bool, interval: float, windo
 @click.option("--fail-below-gb", type=float, default=1.0, show_default=True, help="Fail below this much free disk.")
 def doctor(config_path: Path, as_json: bool, warn_below_gb: float, fail_below_gb: float) -> None:
     """Preflight checks of this node for CONFIG, one per line; exits 1 if any fails."""
-    from dflash_queue.ops.doctor import run_doctor
+    from dflash_queue.doctor import run_doctor
 
     config = load(config_path)
     checks = run_doctor(config, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb)

@@ -106,7 +106,7 @@ def dead_requeue(config_path, record_ids, lane, exc_type, kind, older_than, newe
     """Send dead letters' work again (after fixing the cause): RECORD_IDS, or --all matching the filters."""
     from dflash_queue.ledger import Ledger
     from dflash_queue.queue.app import configure_app
-    from dflash_queue.queue.requeue import celery_send, requeue
+    from dflash_queue.deadletters.requeue import celery_send, requeue
 
     if not record_ids and not everything:
         raise click.UsageError("name record ids, or pass --all (with filters) to requeue every match")

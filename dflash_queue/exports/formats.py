@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save
 
-from dflash_queue.exports.conventions import DECODER_LAYER_OUTPUT, HF_INDEX
+from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, HF_INDEX
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_queue.exports.conventions import DECODER_LAYER_OUTPUT, checked_layer_ids, convert_layer_ids
+from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids, convert_layer_ids
 from dflash_queue.exports.formats import ExportFormat
 from dflash_queue.shards.training import FINAL_NORM
 from dflash_queue.storage.base import Storage

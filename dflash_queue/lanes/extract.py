@@ -44,7 +44,7 @@ from dflash_queue.shards.training import ShardInfo
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.shards.prompts import decode_prompts
-from dflash_queue.storage.keys import completions_key, prompts_key, shard_key
+from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.storage.uploader import ShardUploader
 
 

@@ -20,7 +20,7 @@ from dflash_queue.quality.gate import GateCounts, QualityGate, gate_summary
 from dflash_queue.shards.completions import CompletionRecord, decode_completions, encode_completions
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.storage.keys import completions_key, prompts_key
+from dflash_queue.shards.keys import completions_key, prompts_key
 
 
 @dataclass(frozen=True)

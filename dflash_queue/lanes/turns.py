@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerateEngine, Generation, GenerationRequest
 from dflash_queue.engines.chat import ChatFormatter
-from dflash_queue.quality.gate import DROP, RETRY, QualityGate, TurnVerdict, Verdict
+from dflash_queue.quality.gate import DROP, RETRY, QualityGate, TurnVerdict, combine_turns
 from dflash_queue.shards.completions import CompletionRecord, ServedTurn, TurnSpan
 
 
@@ -196,6 +196,6 @@ class TurnGenerator:
             text=c.last.text,
             source=c.sample.source,
             earlier_turns=spans,
-            quality=Verdict.combine(c.verdicts),
+            quality=combine_turns(c.verdicts),
             served_turns=served,
         )

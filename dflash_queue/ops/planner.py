@@ -72,7 +72,7 @@ def count_prompts(
     config: Config, datasets: Sequence[Path], tokenizer, *, sample_size: int = 2000, seed: int = 0
 ) -> PromptStats:
     """Read every record as the producer would; tokenise a random sample with the chat template."""
-    from dflash_queue.producer import EnqueueReport, iter_samples
+    from dflash_queue.staging import EnqueueReport, iter_samples
 
     report = EnqueueReport()
     sample, total = reservoir(iter_samples(config, datasets, report), sample_size, random.Random(seed))

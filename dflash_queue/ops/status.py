@@ -13,7 +13,6 @@ import json
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from kombu.transport.redis import PRIORITY_STEPS, Channel
@@ -22,8 +21,9 @@ from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
 from dflash_queue.ledger import DONE, FAILED, Ledger
+from dflash_queue.redaction import redact
 from dflash_queue.storage import open_storage
-from dflash_queue.storage.keys import SHARDS, shard_id_of
+from dflash_queue.shards.keys import stored_shard_ids
 
 # The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.
 QUALITY_PREFIX = "gate_"
@@ -80,15 +80,6 @@ class RunStatus:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def redact(url: str) -> str:
-    """A URL without its password."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def queue_depth(client: redis.Redis, queue: str) -> int:
@@ -236,7 +227,7 @@ def stored_shards(config: Config) -> tuple[set[str] | None, str | None]:
     try:
         storage = open_storage(config.storage)
         try:
-            return {shard_id_of(key) for key in storage.list(SHARDS + "/")}, None
+            return stored_shard_ids(storage), None
         finally:
             if hasattr(storage, "close"):
                 storage.close()

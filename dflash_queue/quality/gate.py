@@ -9,68 +9,34 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from dflash_queue.config import QualityConfig
 from dflash_queue.quality.checks import CHECKS, LoopRule, TokenMarkers, TurnAssessment, assess_turn
+from dflash_queue.shards.verdicts import DECISIONS, DROP, FLAG, KEEP, Verdict
 
-KEEP, FLAG, DROP, RETRY = "keep", "flag", "drop", "retry"
-DECISIONS = (KEEP, FLAG, DROP)
+__all__ = ["DECISIONS", "DROP", "FLAG", "KEEP", "RETRY", "GateCounts", "QualityGate", "TurnVerdict", "Verdict",
+           "combine_turns", "gate_summary"]
+
+RETRY = "retry"
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """The gate's word on one sample (all its generated turns), stored with the completion record."""
-
-    decision: str = KEEP
-    # Checks failed by the final attempt of any turn.
-    flags: tuple[str, ...] = ()
-    # Checks that sent a turn back for a retry.
-    retried: tuple[str, ...] = ()
-    # Fewest answer tokens of any turn.
-    answer_tokens: int = 0
-    # Thinking state of the last turn ("closed", "off", "unclosed", "none").
-    thinking: str = "none"
-
-    @property
-    def kept(self) -> bool:
-        return self.decision != DROP
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "decision": self.decision,
-            "flags": list(self.flags),
-            "retried": list(self.retried),
-            "answer_tokens": self.answer_tokens,
-            "thinking": self.thinking,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Verdict:
-        return cls(
-            decision=str(data.get("decision", KEEP)),
-            flags=tuple(data.get("flags", ())),
-            retried=tuple(data.get("retried", ())),
-            answer_tokens=int(data.get("answer_tokens", 0)),
-            thinking=str(data.get("thinking", "none")),
-        )
-
-    @classmethod
-    def combine(cls, turns: Iterable[TurnVerdict]) -> Verdict:
-        turns = list(turns)
-        if not turns:
-            return cls()
-        decisions = {t.decision for t in turns}
-        decision = DROP if DROP in decisions else FLAG if FLAG in decisions else KEEP
-        flags = {c for t in turns for c in t.failed}
-        retried = {c for t in turns for c in t.retried}
-        return cls(
-            decision=decision,
-            flags=tuple(c for c in CHECKS if c in flags),
-            retried=tuple(c for c in CHECKS if c in retried),
-            answer_tokens=min(t.assessment.answer_tokens for t in turns),
-            thinking=turns[-1].assessment.thinking,
-        )
+def combine_turns(turns: Iterable[TurnVerdict]) -> Verdict:
+    """One sample's verdict from its turns': the strongest decision, every failed or retried check in the gate's
+    order, the fewest answer tokens, the last turn's thinking state."""
+    turns = list(turns)
+    if not turns:
+        return Verdict()
+    decisions = {t.decision for t in turns}
+    decision = DROP if DROP in decisions else FLAG if FLAG in decisions else KEEP
+    flags = {c for t in turns for c in t.failed}
+    retried = {c for t in turns for c in t.retried}
+    return Verdict(
+        decision=decision,
+        flags=tuple(c for c in CHECKS if c in flags),
+        retried=tuple(c for c in CHECKS if c in retried),
+        answer_tokens=min(t.assessment.answer_tokens for t in turns),
+        thinking=turns[-1].assessment.thinking,
+    )
 
 
 @dataclass(frozen=True)

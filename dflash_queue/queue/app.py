@@ -70,7 +70,7 @@ def celery_settings(config: Config) -> dict:
         "task_track_started": True,
         "worker_hijack_root_logger": False,
         # Messages that cannot be run (bad JSON, unknown task) become dead letters before they are dropped.
-        "worker_consumer": "dflash_queue.queue.dead_lettering:WorkerConsumer",
+        "worker_consumer": "dflash_queue.deadletters.recording:WorkerConsumer",
     }
 
 

@@ -32,7 +32,7 @@ from dflash_queue.errors import (
 from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary
 from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
-from dflash_queue.queue.dead_lettering import dead_letter_samples, dead_letter_task, shard_of
+from dflash_queue.deadletters.recording import dead_letter_samples, dead_letter_task, shard_of
 from dflash_queue.queue.runtime import WorkerRuntime
 
 log = get_task_logger(__name__)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.jsonl import dump_jsonl, load_numbered_jsonl
 
 

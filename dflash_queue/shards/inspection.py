@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.exports.conventions import checked_layer_ids
+from dflash_queue.shards.layer_conventions import checked_layer_ids
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR
 from dflash_queue.shards.ranges import ByteSource, open_source
 from dflash_queue.shards.reader import ShardIndex, read_rows

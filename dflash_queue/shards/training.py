@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8
 
 FORMAT = "dflash-queue/hidden-states"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.fp8 import FP8_DTYPE, FP8_NAME, SCALES_TENSOR, quantize_fp8
 from dflash_queue.shards.training import ExtractedSample, ShardInfo, check_states, quality_entry, validate_sample
 

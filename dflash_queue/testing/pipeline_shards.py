@@ -17,7 +17,7 @@ from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import LocalStorage
-from dflash_queue.storage.keys import COMPLETIONS, PROMPTS, prompts_key
+from dflash_queue.shards.keys import COMPLETIONS, PROMPTS, prompts_key
 from dflash_queue.testing.configs import tiny_config_tables, write_config
 
 SAMPLE_DATASET = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"

@@ -10,7 +10,7 @@ from transformers import AutoConfig, BertConfig, BertForMaskedLM, T5Config
 from dflash_queue.engines.architecture import profile_config
 from dflash_queue.errors import UnsupportedArchitecture
 from dflash_queue.engines.hf_extract import HiddenStateExtractor
-from dflash_queue.ops.doctor.model import check_architecture, check_model
+from dflash_queue.doctor.model import check_architecture, check_model
 
 
 @pytest.mark.parametrize(

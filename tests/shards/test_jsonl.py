@@ -9,7 +9,7 @@ import pytest
 from dflash_queue import jsoncodec
 from dflash_queue.data.samples import Message, Sample, sample_id
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.quality.gate import Verdict
+from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.completions import (
     CompletionRecord,
     ServedTurn,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_queue.ops.doctor.gpu import GIB, GpuInfo, arch_code, capability_supported, check_gpus, code_runs_on
+from dflash_queue.doctor.gpu import GIB, GpuInfo, arch_code, capability_supported, check_gpus, code_runs_on
 
 # Arch lists of real torch wheels (torch.cuda.get_arch_list()).
 CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]

@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dflash_queue.config import Config
-from dflash_queue.ops.doctor.broker import check_broker
-from dflash_queue.ops.doctor.disk import check_free_disk
-from dflash_queue.ops.doctor.gpu import GpuInfo, check_gpus, read_gpus
-from dflash_queue.ops.doctor.model import check_model, check_thinking_template
-from dflash_queue.ops.doctor.result import Check
-from dflash_queue.ops.doctor.storage import check_configured_storage
-from dflash_queue.ops.doctor.versions import check_versions
+from dflash_queue.doctor.broker import check_broker
+from dflash_queue.doctor.disk import check_free_disk
+from dflash_queue.doctor.gpu import GpuInfo, check_gpus, read_gpus
+from dflash_queue.doctor.model import check_model, check_thinking_template
+from dflash_queue.doctor.result import Check
+from dflash_queue.doctor.storage import check_configured_storage
+from dflash_queue.doctor.versions import check_versions
 
 DEFAULT_MEMORY_UTILIZATION = 0.9
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from dflash_queue.ops.doctor.broker import check_broker, durability_warnings
+from dflash_queue.doctor.broker import check_broker, durability_warnings
 from dflash_queue.redis_server import RedisServer, free_port
 from dflash_queue.testing.jobs import connect
 

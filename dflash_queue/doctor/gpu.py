@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dflash_queue.ops.doctor.result import Check
+from dflash_queue.doctor.result import Check
 
 GIB = 1024**3
 # Compute capabilities that run only code built for exactly them (integrated Jetson/Tegra parts).

@@ -4,7 +4,7 @@ import importlib.metadata as metadata
 
 import pytest
 
-from dflash_queue.ops.doctor.versions import (
+from dflash_queue.doctor.versions import (
     check_versions,
     distribution_of,
     installed_versions,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from dflash_queue.ops.doctor.result import Check
+from dflash_queue.doctor.result import Check
 
 GB = 1000**3
 

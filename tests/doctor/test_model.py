@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_queue.ops.doctor.model import check_model, check_thinking_template
+from dflash_queue.doctor.model import check_model, check_thinking_template
 from dflash_queue.testing.templates import PLAIN_TEMPLATE, THINKING_ONLY_TEMPLATE
 
 

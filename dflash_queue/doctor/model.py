@@ -8,7 +8,7 @@ from dflash_queue.config import Config
 from dflash_queue.engines.architecture import profile_config
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.layers import resolve_layer_ids
-from dflash_queue.ops.doctor.result import Check
+from dflash_queue.doctor.result import Check
 
 
 def check_model(config: Config) -> tuple[list[Check], object | None]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from dflash_queue.ops.doctor.result import Check
-from dflash_queue.ops.status import redact
+from dflash_queue.doctor.result import Check
+from dflash_queue.redaction import redact
 
 
 def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:

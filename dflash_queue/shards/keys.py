@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Protocol
+
+class Listable(Protocol):
+    def list(self, prefix: str) -> Iterable[str]: ...
+
+
 PROMPTS = "prompts"
 COMPLETIONS = "completions"
 SHARDS = "shards"
@@ -23,3 +30,8 @@ def shard_id_of(key: str) -> str:
     """The shard id of any key above."""
     name = key.rsplit("/", 1)[-1]
     return name.split(".", 1)[0]
+
+
+def stored_shard_ids(storage: Listable) -> set[str]:
+    """Ids of the training shards `storage` holds: what counts as done."""
+    return {shard_id_of(key) for key in storage.list(SHARDS + "/")}

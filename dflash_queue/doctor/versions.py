@@ -12,7 +12,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from dflash_queue.ops.doctor.result import Check
+from dflash_queue.doctor.result import Check
 
 PROJECT = "dflash-queue"
 

@@ -6,9 +6,9 @@ import json
 import subprocess
 import sys
 
-from dflash_queue.ops.doctor import memory_utilization, run_doctor
-from dflash_queue.ops.doctor.disk import check_free_disk
-from dflash_queue.ops.doctor.gpu import GIB, GpuInfo
+from dflash_queue.doctor import memory_utilization, run_doctor
+from dflash_queue.doctor.disk import check_free_disk
+from dflash_queue.doctor.gpu import GIB, GpuInfo
 
 
 def doctor(config) -> subprocess.CompletedProcess:
