@@ -3,7 +3,7 @@ back, listed and deleted), one doctor line per row."""
 
 from __future__ import annotations
 
-from dflash_queue.config import StorageConfig
+from dflash_queue.storage.config import StorageConfig
 from dflash_queue.doctor.result import Check
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.checks import FAIL, OK, SKIP, WARN, check_storage

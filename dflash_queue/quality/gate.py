@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dflash_queue.config import QualityConfig
+from dflash_queue.quality.config import QualityConfig
 from dflash_queue.quality.checks import CHECKS, LoopRule, TokenMarkers, TurnAssessment, assess_turn
 from dflash_queue.shards.verdicts import DECISIONS, DROP, FLAG, KEEP, Verdict
 

@@ -10,7 +10,7 @@ from dflash_queue.storage.local import LocalStorage
 from dflash_queue.storage.urls import check_storage_url, scheme_of
 
 if TYPE_CHECKING:
-    from dflash_queue.config import StorageConfig
+    from dflash_queue.storage.config import StorageConfig
 
 
 def open_storage(target: str | StorageConfig) -> Storage:

@@ -31,7 +31,7 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
 import dflash_queue
-from dflash_queue.config import S3Config
+from dflash_queue.storage.config import S3Config
 from dflash_queue.errors import ChecksumMismatch, ConfigError, StorageError
 from dflash_queue.storage.checks import FAIL, OK, WARN, CheckResult
 from dflash_queue.storage.s3_errors import CREDENTIALS_HINT, error_code, translate

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_queue.config import S3Config, StorageConfig
+from dflash_queue.storage.config import S3Config, StorageConfig
 from dflash_queue.errors import ChecksumMismatch, ConfigError, StorageAccessError, StorageUnavailable
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.s3 import SHA256_METADATA, S3Storage

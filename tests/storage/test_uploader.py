@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dflash_queue.config import S3Config
+from dflash_queue.storage.config import S3Config
 from dflash_queue.errors import StorageAccessError
 from dflash_queue.storage import LocalStorage
 from dflash_queue.storage.s3 import S3Storage
