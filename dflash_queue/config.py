@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -168,7 +169,7 @@ def _model_max_positions(model_path: str) -> int:
 def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> Config:
     """Load and validate a deployment config; relative paths resolve against the file's directory."""
     path = Path(path)
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -176,10 +177,10 @@ def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = No
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 
-    if env.get(BROKER_URL_ENV):
-        raw.setdefault("broker", {})["url"] = env[BROKER_URL_ENV]
-    if env.get(STORAGE_URL_ENV):
-        raw.setdefault("storage", {})["url"] = env[STORAGE_URL_ENV]
+    if environ.get(BROKER_URL_ENV):
+        raw.setdefault("broker", {})["url"] = environ[BROKER_URL_ENV]
+    if environ.get(STORAGE_URL_ENV):
+        raw.setdefault("storage", {})["url"] = environ[STORAGE_URL_ENV]
     _resolve_paths(raw, base=path.resolve().parent)
     return _validate(raw, str(path), check_paths=True)
 

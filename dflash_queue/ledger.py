@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -50,7 +51,8 @@ class WindowTotals:
 
 class Ledger:
     def __init__(self, client: redis.Redis, run_name: str) -> None:
-        self.client = client
+        # Made with decode_responses=True: every reply is str (redis-py's types cannot say so).
+        self.client: Any = client
         self.prefix = f"dfq:{run_name}"
         self.states_key = f"{self.prefix}:shard_state"
         self.sizes_key = f"{self.prefix}:shard_samples"
@@ -175,7 +177,7 @@ class Ledger:
         for content in contents:
             for name, value in content.items():
                 totals[name] = totals.get(name, 0) + int(value)
-        start = buckets[0] * RATE_BUCKET_S
+        start: float = buckets[0] * RATE_BUCKET_S
         if first_add is not None:
             start = max(start, float(first_add))
         return WindowTotals(totals, max(0.0, now - start))

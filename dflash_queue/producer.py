@@ -36,9 +36,8 @@ from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.samples import Sample
 from dflash_queue.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
 from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
-from dflash_queue.storage import Storage, open_storage
 from dflash_queue.shards.keys import prompts_key, stored_shard_ids
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.staging import (
     EnqueueReport,
     batched,
@@ -47,6 +46,7 @@ from dflash_queue.staging import (
     growing_batches,
     iter_samples,
 )
+from dflash_queue.storage import Storage, open_storage
 
 # Shards per ledger round trip. The first groups are smaller (1, 2, 4, ...) so that workers get their first
 # messages while the rest is still being staged.

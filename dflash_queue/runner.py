@@ -15,13 +15,13 @@ from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.staging import EnqueueReport, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
-from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.launcher import WorkerProcess
+from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.redis_server import RedisServer
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
+from dflash_queue.staging import EnqueueReport, checked_formatter
 
 
 class RunFailed(RuntimeError):

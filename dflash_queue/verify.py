@@ -17,11 +17,11 @@ from pathlib import Path
 from dflash_queue.config import Config
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.ledger import Ledger
-from dflash_queue.staging import EnqueueReport, batched, build_length_filter, iter_samples
+from dflash_queue.shards.keys import SHARDS, shard_id_of, shard_key
 from dflash_queue.shards.prompts import prompt_shard_id
 from dflash_queue.shards.ranges import open_source, read_layout
+from dflash_queue.staging import EnqueueReport, batched, build_length_filter, iter_samples
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.shards.keys import SHARDS, shard_id_of, shard_key
 
 # How many missing or duplicated ids a report lists in full.
 LISTED = 50

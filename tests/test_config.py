@@ -3,6 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, load_config
 from dflash_queue.errors import ConfigError
@@ -39,7 +40,7 @@ def test_minimal_config_gets_defaults_and_resolves_relative_paths(tmp_path, mode
 
 def test_config_objects_are_frozen(tmp_path, model_dir):
     config = load_config(write(tmp_path, base(model_dir)), env={})
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         config.dataset.shard_size = 3  # type: ignore[misc]
 
 

@@ -11,18 +11,18 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_queue.lanes.registry import EXTRACT
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
+from dflash_queue.lanes.registry import EXTRACT
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.tasks import LANE_TASKS
 from dflash_queue.run_identity import MANIFEST_KEY
 from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.storage.s3 import SHA256_METADATA
 from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.polling import wait_for_states

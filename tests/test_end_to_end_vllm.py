@@ -11,24 +11,24 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
-from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.vllm_generate import request_seed
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.worker import EXIT_ENGINE_LOST
 from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.testing.configs import tiny_vllm_overrides
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.jobs import first_lines
+from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states
-from dflash_queue.testing.processes import describe, descendants, survivors
+from dflash_queue.testing.processes import descendants, describe, survivors
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"

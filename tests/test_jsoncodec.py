@@ -59,8 +59,8 @@ def same_value(a, b) -> bool:
 def test_loads_gives_what_json_gives_for_any_value(value):
     for text in (json.dumps(value), json.dumps(value, ensure_ascii=False, separators=(",", ":"))):
         data = text.encode("utf-8", errors="surrogatepass")
-        expected = outcome(lambda: json.loads(data.decode("utf-8")))
-        got = outcome(lambda: jsoncodec.loads(data))
+        expected = outcome(lambda data=data: json.loads(data.decode("utf-8")))
+        got = outcome(lambda data=data: jsoncodec.loads(data))
         assert got[0] == expected[0]
         assert same_value(got[1], expected[1]) if got[0] == "ok" else got == expected
 

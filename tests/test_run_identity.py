@@ -14,8 +14,8 @@ from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, RunMismatch
-from dflash_queue.storage import open_storage
 from dflash_queue.shards.keys import shard_key
+from dflash_queue.storage import open_storage
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"

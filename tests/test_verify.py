@@ -11,12 +11,12 @@ from dflash_queue.cli import main
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters, record_id
 from dflash_queue.ledger import Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.shards.verdicts import Verdict
+from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.shards.training import ExtractedSample, ShardInfo
 from dflash_queue.shards.training_writer import write_training_shard
+from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.storage import open_storage
-from dflash_queue.shards.keys import prompts_key, shard_key
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "examples" / "sharegpt_sample.jsonl"

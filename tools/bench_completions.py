@@ -24,7 +24,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash_queue import jsoncodec  # noqa: E402
-from dflash_queue.shards.verdicts import Verdict  # noqa: E402
 from dflash_queue.shards.completions import (  # noqa: E402
     CompletionRecord,
     ServedTurn,
@@ -32,6 +31,7 @@ from dflash_queue.shards.completions import (  # noqa: E402
     decode_completions,
     encode_completions,
 )
+from dflash_queue.shards.verdicts import Verdict  # noqa: E402
 
 WORDS = ["the", "answer", "is", "because", "first", "we", "compute", "Schritt", "über", "résumé", "数据", "✓", "→"]
 
@@ -95,8 +95,8 @@ def main() -> None:
     timings: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
         for way, (ids_as_lists, stdlib) in WAYS.items():
-            write = timed(stdlib, lambda: encode_completions(records, ids_as_lists=ids_as_lists))
-            read = timed(stdlib, lambda: decode_completions(data[way], what="bench"))
+            write = timed(stdlib, lambda lists=ids_as_lists: encode_completions(records, ids_as_lists=lists))
+            read = timed(stdlib, lambda blob=data[way]: decode_completions(blob, what="bench"))
             timings.setdefault((way, "write"), []).append(write)
             timings.setdefault((way, "read"), []).append(read)
 

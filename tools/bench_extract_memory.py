@@ -97,8 +97,8 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
     from dflash_queue.lanes.extract import ExtractLane, build_extractor
     from dflash_queue.ops.shard_sizing import size_shards
     from dflash_queue.shards.completions import CompletionRecord, encode_completions
-    from dflash_queue.storage import open_storage
     from dflash_queue.shards.keys import completions_key
+    from dflash_queue.storage import open_storage
     from dflash_queue.testing.configs import tiny_config_tables, write_config
 
     torch.set_num_threads(2)

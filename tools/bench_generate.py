@@ -45,20 +45,19 @@ from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.engines.base import GenerationRequest  # noqa: E402
 from dflash_queue.engines.chat import ChatFormatter  # noqa: E402
 from dflash_queue.engines.vllm_generate import engine_args, prepare_environment, sampling_kwargs  # noqa: E402
-from dflash_queue.shards.completions import decode_completions  # noqa: E402
-from dflash_queue.storage import open_storage  # noqa: E402
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
-from dflash_queue.shards.prompts import decode_prompts  # noqa: E402
-from dflash_queue.shards.keys import completions_key, prompts_key  # noqa: E402
 from dflash_queue.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.shards.completions import decode_completions  # noqa: E402
+from dflash_queue.shards.keys import completions_key, prompts_key  # noqa: E402
+from dflash_queue.shards.prompts import decode_prompts  # noqa: E402
+from dflash_queue.storage import open_storage  # noqa: E402
 from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config  # noqa: E402
 from dflash_queue.testing.polling import wait_for_states  # noqa: E402
 from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
-
 
 LONG_TAIL_VERSION = 1
 

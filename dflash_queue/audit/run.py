@@ -9,8 +9,8 @@ from dflash_queue.audit.inputs import AuditSettings, audit_dataset, dataset_line
 from dflash_queue.audit.outputs import completion_rows, output_lines, shard_rows, summarize_rows
 from dflash_queue.audit.targets import Targets, locate
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.training import TrainingShard
 from dflash_queue.shards.keys import COMPLETIONS, SHARDS
+from dflash_queue.shards.training import TrainingShard
 
 
 def audit(paths: list[str], settings: AuditSettings) -> dict[str, Any]:
@@ -59,7 +59,8 @@ def _completion_rows(targets: Targets):
 
 
 def _shard_rows(targets: Targets) -> tuple[list, int, int]:
-    rows, dropped, count = [], 0, 0
+    rows: list = []
+    dropped, count = 0, 0
 
     def add(shard: TrainingShard) -> None:
         nonlocal dropped, count

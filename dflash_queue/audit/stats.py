@@ -37,7 +37,9 @@ def share(part: int, whole: int) -> float:
 
 def counts_of(values: Sequence[int]) -> dict[str, int]:
     """Exact counts per value (for small discrete values such as turns per conversation)."""
-    unique, counts = np.unique(np.asarray(values, dtype=np.int64), return_counts=True) if len(values) else ([], [])
+    if not len(values):
+        return {}
+    unique, counts = np.unique(np.asarray(values, dtype=np.int64), return_counts=True)
     return {str(int(u)): int(c) for u, c in zip(unique, counts)}
 
 

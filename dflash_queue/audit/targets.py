@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_queue.data.containers import RawRecord, read_records
-from dflash_queue.storage import Storage, open_storage
 from dflash_queue.shards.keys import COMPLETIONS, SHARDS
+from dflash_queue.storage import Storage, open_storage
 
 
 @dataclass

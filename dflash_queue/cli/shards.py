@@ -145,8 +145,8 @@ def inspect(
 
 def _export_conversations(root: str, format_name: str, out: str, tokenizer: Any, console: Console) -> None:
     from dflash_queue.exports.conversations import export_conversations
-    from dflash_queue.storage import open_storage
     from dflash_queue.shards.keys import COMPLETIONS
+    from dflash_queue.storage import open_storage
 
     if tokenizer is None:
         raise click.UsageError(f"--format {format_name} decodes the replies: give -c CONFIG or --tokenizer")

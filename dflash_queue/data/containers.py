@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, cast
 
 from dflash_queue import jsoncodec
 from dflash_queue.data.problems import BadRecord
@@ -98,7 +98,7 @@ def _describe(exc: BaseException) -> str:
 
 def _open_text_stream(path: Path, compression: Compression) -> IO[bytes]:
     if compression == "gzip":
-        return gzip.open(path, "rb")
+        return cast(IO[bytes], gzip.open(path, "rb"))
     if compression == "zstd":
         return io.BufferedReader(_ZstdReader(open(path, "rb")), buffer_size=1 << 20)
     return open(path, "rb", buffering=1 << 20)

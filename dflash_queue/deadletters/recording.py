@@ -12,13 +12,14 @@ from typing import Any
 
 from celery.worker.consumer import Consumer
 
-from dflash_queue.deadletters import (
+from dflash_queue.deadletters.records import (
     MESSAGE,
     SAMPLE,
     TASK,
     UNKNOWN_LANE,
     DeadLetter,
     DeadLetters,
+    ExceptionFields,
     exception_fields,
     record_id,
 )
@@ -110,7 +111,9 @@ def dead_letter_message(dead_letters: DeadLetters, message: Any, exc: BaseExcept
     body = getattr(message, "body", b"")
     if isinstance(body, bytes):
         body = body.decode("utf-8", "replace")
-    fields = exception_fields(exc) if exc is not None else {"exc_type": reason, "message": reason, "traceback": ""}
+    fields: ExceptionFields = (
+        exception_fields(exc) if exc is not None else {"exc_type": reason, "message": reason, "traceback": ""}
+    )
     _store(
         dead_letters,
         DeadLetter(

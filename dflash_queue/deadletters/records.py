@@ -16,6 +16,7 @@ import time
 import traceback as tb
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from typing import TypedDict
 
 import redis
 
@@ -83,7 +84,13 @@ def record_id(kind: str, lane: str, shard_id: str = "", sample_ids: Sequence[str
     return f"{lane or UNKNOWN_LANE}:message:{task_id}"
 
 
-def exception_fields(exc: BaseException) -> dict[str, str]:
+class ExceptionFields(TypedDict):
+    exc_type: str
+    message: str
+    traceback: str
+
+
+def exception_fields(exc: BaseException) -> ExceptionFields:
     text = "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
     return {"exc_type": type(exc).__name__, "message": str(exc), "traceback": text[-TRACEBACK_CHARS:]}
 

@@ -5,10 +5,10 @@ it."""
 from __future__ import annotations
 
 from dflash_queue.config import Config
+from dflash_queue.doctor.result import Check
 from dflash_queue.engines.architecture import profile_config
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.layers import resolve_layer_ids
-from dflash_queue.doctor.result import Check
 
 
 def check_model(config: Config) -> tuple[list[Check], object | None]:
@@ -26,7 +26,7 @@ def check_model(config: Config) -> tuple[list[Check], object | None]:
         arch = ",".join(getattr(model_config, "architectures", None) or [model_config.model_type])
         detail = f"{config.model.path}: {arch}, {layers} layers, hidden {hidden}"
         try:
-            ids = resolve_layer_ids(config.extract.layer_ids, int(layers), config.extract.num_draft_layers)
+            ids = resolve_layer_ids(config.extract.layer_ids, int(layers), config.extract.num_draft_layers)  # type: ignore[arg-type]
         except (TypeError, ValueError) as exc:
             checks.append(Check.failed("model", f"{detail}; extract layers: {exc}"))
         else:

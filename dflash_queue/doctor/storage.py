@@ -3,12 +3,12 @@ back, listed and deleted), one doctor line per row."""
 
 from __future__ import annotations
 
-from dflash_queue.storage.config import StorageConfig
-from dflash_queue.doctor.result import Check
+from dflash_queue.doctor.result import Check, Verdict
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.checks import FAIL, OK, SKIP, WARN, check_storage
+from dflash_queue.storage.config import StorageConfig
 
-_VERDICTS = {OK: "pass", WARN: "warn", FAIL: "fail"}
+_VERDICTS: dict[str, Verdict] = {OK: "pass", WARN: "warn", FAIL: "fail"}
 
 
 def check_configured_storage(settings: StorageConfig) -> list[Check]:

@@ -49,9 +49,9 @@ def requirement_conflicts(
 
 
 def installed_versions() -> dict[str, str]:
-    versions = {}
+    versions: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = dist.metadata.get("Name")
+        name = dist.metadata["Name"]
         if name:
             versions.setdefault(canonicalize_name(name), dist.version)
     return versions

@@ -15,6 +15,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,7 +95,8 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn
     # SDPA drops attention soft-capping (Gemma 2): generate with the attention that applies every feature.
     attention = profile_config(layout.config).reference_attention
     kwargs = _load_kwargs(layout, dtype, device, attention, prefix_target="model.")
-    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    model, info = loaded
     _require_complete(model, info, path, layout)
     return model.to(device)
 

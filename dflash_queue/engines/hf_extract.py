@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,10 +39,10 @@ from torch import nn
 from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
 from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
+from dflash_queue.engines.extract_probe import confirm_mode
 from dflash_queue.engines.layers import resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
 from dflash_queue.engines.passes import packed_inputs, padded_inputs, plan_passes, summarize, token_stats
-from dflash_queue.engines.extract_probe import confirm_mode
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
 
@@ -158,8 +159,9 @@ class HiddenStateExtractor:
         self.attn_implementation = attn_implementation
         self.reference_attention = native_attention(profile, attn_implementation)
         keep = self.num_model_layers if final_norm_state else max(self.layer_ids) + 1
-        self.model = _truncate_layers(model, keep).eval()
-        self.mode = profile.mode
+        # A Transformers decoder: its config's attributes depend on the architecture.
+        self.model: Any = _truncate_layers(model, keep).eval()
+        self.mode: str = profile.mode
         self._cuda = self.device.type == "cuda"
         self._pin = pin_memory and self._cuda
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -295,7 +297,8 @@ class HiddenStateExtractor:
         sequences = [requests[i].input_ids for i in group]
         if self.mode == "packed":
             built = packed_inputs(sequences)
-            bounds = [0, built.bounds[-1]] if leak else built.bounds  # type: ignore[index]
+            assert built.bounds is not None  # packed inputs always have them
+            bounds = [0, built.bounds[-1]] if leak else built.bounds
             extra = self._packing_kwargs(bounds)
         else:
             built, extra = padded_inputs(sequences), {}
@@ -311,17 +314,19 @@ class HiddenStateExtractor:
         stats = token_stats(buffer)
         if not self._cuda:
             return _PassResult(group, spans, buffer, stats, None)
+        copy_stream = self._copy_stream
+        assert copy_stream is not None  # made whenever the device is CUDA
         computed = torch.cuda.current_stream(self.device).record_event()
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(computed)
+        with torch.cuda.stream(copy_stream):
+            copy_stream.wait_event(computed)
             host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=self._pin)
             host.copy_(buffer, non_blocking=self._pin)
             host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=self._pin)
             host_stats.copy_(stats, non_blocking=self._pin)
             # The caching allocator must not hand these to the next pass before the copies have read them.
-            buffer.record_stream(self._copy_stream)
-            stats.record_stream(self._copy_stream)
-            ready = self._copy_stream.record_event()
+            buffer.record_stream(copy_stream)
+            stats.record_stream(copy_stream)
+            ready = copy_stream.record_event()
         return _PassResult(group, spans, host, host_stats, ready)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -403,7 +408,7 @@ class HiddenStateExtractor:
             self.model.set_attn_implementation(name)
 
 
-def _truncate_layers(model: nn.Module, keep: int) -> nn.Module:
+def _truncate_layers(model: Any, keep: int) -> Any:
     layers = decoder_layers(model)
     if keep < len(layers):
         model.layers = nn.ModuleList(list(layers)[:keep])

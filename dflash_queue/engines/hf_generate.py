@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -25,9 +26,9 @@ class TransformersGenerateEngine:
         self.sampling: SamplingConfig = config.generate.sampling
         self.batch_size = config.generate.batch_size
         self.device = resolve_device(config.model.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         # A multimodal checkpoint gives its text-only causal LM: prompts here are text.
-        self.model = load_causal_lm(config.model.path, dtype=resolve_dtype(config.model.dtype, self.device),
+        self.model: Any = load_causal_lm(config.model.path, dtype=resolve_dtype(config.model.dtype, self.device),
                                     device=self.device)
         self.model.eval()
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -103,6 +104,7 @@ class TransformersGenerateEngine:
         stop_end = self._stop_string_end(tokens[: first_eos] if first_eos is not None else tokens)
         if stop_end is not None:
             ends.append(stop_end)
+        finish_reason: str
         if ends:
             completion, finish_reason = tokens[: min(ends)], "stop"
         else:

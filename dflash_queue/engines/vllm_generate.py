@@ -183,8 +183,9 @@ class VllmGenerateEngine:
                     pending, timeout=ENGINE_CHECK_INTERVAL_S, return_when=asyncio.FIRST_EXCEPTION
                 )
                 for task in done:
-                    if task.exception() is not None:
-                        raise task.exception()
+                    error = task.exception()
+                    if error is not None:
+                        raise error
                 # vLLM does not wake every waiter when its engine process dies (a request added at that moment
                 # waits forever), so look at the engine's health instead of trusting every request to end.
                 if pending and engine.errored:

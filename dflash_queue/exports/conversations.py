@@ -26,9 +26,9 @@ from typing import Any
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.shards.completions import CompletionRecord, decode_completions
+from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage.base import Storage
-from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of
 
 FILES = {"messages": "conversations.jsonl", "parquet": "conversations.parquet"}
 

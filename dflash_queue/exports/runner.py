@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids, convert_layer_ids
 from dflash_queue.exports.formats import ExportFormat
+from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids, convert_layer_ids
 from dflash_queue.shards.training import FINAL_NORM
 from dflash_queue.storage.base import Storage
 from dflash_queue.training.dataset import ShardDataset
@@ -70,7 +70,8 @@ def export_dataset(
         bad_shards=list(dataset.bad_shards),
         dropped=Counter(dataset.dropped),
     )
-    layers, num_layers, layer_states = None, 0, ()
+    layers: list[int] | None = None
+    num_layers, layer_states = 0, tuple[str, ...]()
     for index in dataset.shards:
         layers, num_layers = checked_layer_ids(index)  # the dataset already made every shard agree
         layer_states = index.layer_states

@@ -18,9 +18,9 @@ from dflash_queue.lanes.turns import TurnGenerator
 from dflash_queue.quality.checks import TokenMarkers
 from dflash_queue.quality.gate import GateCounts, QualityGate, gate_summary
 from dflash_queue.shards.completions import CompletionRecord, decode_completions, encode_completions
+from dflash_queue.shards.keys import completions_key, prompts_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.shards.keys import completions_key, prompts_key
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class GenerateLane:
         have = {r.id for r in existing}
         todo = [s for s in samples if s.id not in have]
         isolated = run_isolating(todo, self._generate, [s.id for s in todo])
-        fresh = {todo[i].id: isolated.results[i] for i in isolated.ok}
+        fresh = {todo[i].id: isolated.result(i) for i in isolated.ok}
         by_id = {r.id: r for r in existing} | fresh
         records = [by_id[s.id] for s in samples if s.id in by_id]
         self.storage.write_bytes(out_key, encode_completions(records))

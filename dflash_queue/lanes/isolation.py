@@ -41,6 +41,12 @@ class Isolated(Generic[R]):
     # Batches run, the first included: 1 when nothing failed.
     attempts: int = 0
 
+    def result(self, index: int) -> R:
+        """The result of an item that was not poisoned."""
+        value = self.results[index]
+        assert value is not None, f"item {index} was poisoned"
+        return value
+
     @property
     def ok(self) -> list[int]:
         poisoned = {i for i, _ in self.poisoned}

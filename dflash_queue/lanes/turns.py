@@ -174,7 +174,8 @@ class TurnGenerator:
     def _record(self, c: _Conversation) -> CompletionRecord:
         assert c.last is not None
         prompt = c.ids[: c.completion_start]
-        spans, served = tuple(c.spans), ()
+        spans = tuple(c.spans)
+        served: tuple[ServedTurn, ...] = ()
         if self.history == "as-served" and len(c.served) > 1:
             earlier = c.served[:-1]
             if all(prompt[: len(t.prompt_ids) + len(t.completion_ids)] == t.prompt_ids + t.completion_ids

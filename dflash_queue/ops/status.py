@@ -22,8 +22,8 @@ from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.redaction import redact
-from dflash_queue.storage import open_storage
 from dflash_queue.shards.keys import stored_shard_ids
+from dflash_queue.storage import open_storage
 
 # The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.
 QUALITY_PREFIX = "gate_"
@@ -214,7 +214,7 @@ def collect_status(
         window_span_s=window.span_s,
         lanes=lanes,
         # The run ends when its slower lane does; unknown while either lane has no measured rate.
-        eta_s=None if any(eta is None for eta in etas) else max(etas),
+        eta_s=None if any(eta is None for eta in etas) else max(eta for eta in etas if eta is not None),
         finished=finished,
         storage=redact(config.storage.url),
         shards_missing=missing,

@@ -131,7 +131,8 @@ def template(name: str) -> str:
 
 def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) -> dict[str, str]:
     """File name -> contents of every unit this layout needs."""
-    exec_command, default_env = settings.exec_command, {}
+    exec_command = settings.exec_command
+    default_env: dict[str, str] = {}
     if not exec_command:
         exec_command, default_env = default_exec_command()
     environment = {**default_env, **settings.extra_environment}

@@ -8,7 +8,6 @@ from pydantic import Field
 
 from dflash_queue.settings import PositiveInt, Section
 
-
 GateAction = Literal["off", "flag", "drop", "retry"]
 
 

@@ -10,8 +10,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dflash_queue.quality.config import QualityConfig
 from dflash_queue.quality.checks import CHECKS, LoopRule, TokenMarkers, TurnAssessment, assess_turn
+from dflash_queue.quality.config import QualityConfig
 from dflash_queue.shards.verdicts import DECISIONS, DROP, FLAG, KEEP, Verdict
 
 __all__ = ["DECISIONS", "DROP", "FLAG", "KEEP", "RETRY", "GateCounts", "QualityGate", "TurnVerdict", "Verdict",
@@ -74,7 +74,7 @@ class QualityGate:
     def decide(self, failed: Iterable[str], *, after_retry: bool) -> str:
         actions = set()
         for check in failed:
-            action = self.policy[check]
+            action: str = self.policy[check]
             if action == RETRY and after_retry:
                 action = self.config.on_retry_failure
             actions.add(action)

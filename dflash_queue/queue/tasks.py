@@ -22,6 +22,7 @@ from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
 
 from dflash_queue import faults
+from dflash_queue.deadletters.recording import dead_letter_samples, dead_letter_task, shard_of
 from dflash_queue.errors import (
     DflashQueueError,
     EngineUnavailable,
@@ -32,7 +33,6 @@ from dflash_queue.errors import (
 from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary
 from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
-from dflash_queue.deadletters.recording import dead_letter_samples, dead_letter_task, shard_of
 from dflash_queue.queue.runtime import WorkerRuntime
 
 log = get_task_logger(__name__)
@@ -147,11 +147,11 @@ def _transient_retries(task: Task, rt: WorkerRuntime, shard_id: str) -> Iterator
     except StorageUnavailable as exc:
         delay = backoff_s(task.request.retries, broker.retry_backoff_max_s)
         log.warning("shard %s: storage unavailable (retry %d in %.1f s): %s", shard_id, task.request.retries + 1, delay, exc)
-        raise task.retry(exc=exc, countdown=delay, max_retries=rt.config.storage.unavailable_task_retries)
+        raise task.retry(exc=exc, countdown=delay, max_retries=rt.config.storage.unavailable_task_retries) from exc
     except TRANSIENT_ERRORS as exc:
         delay = backoff_s(task.request.retries, broker.retry_backoff_max_s)
         log.warning("shard %s: %s (retry %d in %.1f s): %s", shard_id, type(exc).__name__, task.request.retries + 1, delay, exc)
-        raise task.retry(exc=exc, countdown=delay, max_retries=broker.transient_retries)
+        raise task.retry(exc=exc, countdown=delay, max_retries=broker.transient_retries) from exc
 
 
 def _count_once(rt: WorkerRuntime, task: Task, lane: str, shard_id: str, redo: bool, counts: dict) -> None:

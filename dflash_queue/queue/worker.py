@@ -35,9 +35,9 @@ from celery import signals
 
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
+from dflash_queue.doctor.broker import durability_warnings
 from dflash_queue.lanes.registry import lane
 from dflash_queue.ledger import Ledger
-from dflash_queue.doctor.broker import durability_warnings
 from dflash_queue.queue.app import LaneApp, configure_app
 from dflash_queue.queue.runtime import WorkerRuntime
 from dflash_queue.storage import Storage, open_storage

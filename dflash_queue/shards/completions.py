@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.jsonl import dump_jsonl, load_numbered_jsonl
+from dflash_queue.shards.verdicts import Verdict
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.layer_conventions import checked_layer_ids
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR
+from dflash_queue.shards.layer_conventions import checked_layer_ids
 from dflash_queue.shards.ranges import ByteSource, open_source
 from dflash_queue.shards.reader import ShardIndex, read_rows
 from dflash_queue.storage.base import Storage
@@ -175,7 +175,7 @@ def _check_values(index: ShardIndex, source: ByteSource) -> Check:
 def _check_checksum(storage: Storage, key: str, source: ByteSource, report: ShardReport) -> Check:
     digest = hashlib.sha256()
     for start in range(0, report.size, CHECKSUM_CHUNK):
-        digest.update(memoryview(source.read(start, min(CHECKSUM_CHUNK, report.size - start)).numpy()))
+        digest.update(source.read(start, min(CHECKSUM_CHUNK, report.size - start)).numpy().data)
     report.sha256 = digest.hexdigest()
     recorded = recorded_sha256(storage, key)
     if recorded is None:

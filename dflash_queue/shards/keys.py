@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
+
 class Listable(Protocol):
     def list(self, prefix: str) -> Iterable[str]: ...
 

@@ -66,7 +66,7 @@ class LocalFileSource:
         buffer = torch.empty(length, dtype=torch.uint8)
         if length == 0:
             return buffer
-        view = memoryview(buffer.numpy())
+        view = buffer.numpy().data
         fd, done = self._descriptor(), 0
         while done < length:
             count = os.preadv(fd, [view[done:]], start + done)

@@ -31,8 +31,8 @@ import torch
 from safetensors import safe_open
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8
+from dflash_queue.shards.verdicts import Verdict
 
 FORMAT = "dflash-queue/hidden-states"
 FORMAT_VERSION = "1"

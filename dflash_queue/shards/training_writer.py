@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.fp8 import FP8_DTYPE, FP8_NAME, SCALES_TENSOR, quantize_fp8
 from dflash_queue.shards.training import ExtractedSample, ShardInfo, check_states, quality_entry, validate_sample
+from dflash_queue.shards.verdicts import Verdict
 
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8_NAME: FP8_DTYPE}
 SAFETENSORS_NAMES = {
@@ -287,7 +287,7 @@ class TrainingShardWriter:
         if values.dtype != tensor.dtype:
             raise ShardFormatError(f"{tensor.name}: {values.dtype} values for a {tensor.dtype} tensor")
         raw = values.contiguous().reshape(-1).view(torch.uint8)
-        _pwrite_all(fd, memoryview(raw.numpy()), data_start + tensor.begin + first_row * tensor.row_bytes)
+        _pwrite_all(fd, raw.numpy().data, data_start + tensor.begin + first_row * tensor.row_bytes)
 
 
 def write_training_shard(

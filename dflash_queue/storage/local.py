@@ -14,6 +14,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from dflash_queue.errors import StorageError, StorageUnavailable
 
@@ -132,7 +133,7 @@ class LocalStorage:
         return self.path_of(key).stat().st_size
 
     @contextmanager
-    def _atomic_target(self, key: str) -> Iterator[object]:
+    def _atomic_target(self, key: str) -> Iterator[BinaryIO]:
         target = self.path_of(key)
         for attempt in range(3):
             try:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import logging
 import tempfile
@@ -31,9 +32,9 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
 import dflash_queue
-from dflash_queue.storage.config import S3Config
 from dflash_queue.errors import ChecksumMismatch, ConfigError, StorageError
 from dflash_queue.storage.checks import FAIL, OK, WARN, CheckResult
+from dflash_queue.storage.config import S3Config
 from dflash_queue.storage.s3_errors import CREDENTIALS_HINT, error_code, translate
 from dflash_queue.storage.urls import parse_s3_url
 
@@ -230,9 +231,9 @@ class S3Storage:
             log.info("aborted %d incomplete multipart uploads under %s", aborted, self.url)
         return aborted
 
-    def incomplete_uploads(self) -> list[tuple[str, datetime]]:
+    def incomplete_uploads(self) -> builtins.list[tuple[str, datetime]]:
         """(key, initiated) of every incomplete multipart upload under the prefix."""
-        found = []
+        found: builtins.list[tuple[str, datetime]] = []
         paginator = self.client.get_paginator("list_multipart_uploads")
         try:
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix):
@@ -262,7 +263,7 @@ class S3Storage:
             f"credentials: {source})"
         )
 
-    def preflight_checks(self) -> list[CheckResult]:
+    def preflight_checks(self) -> builtins.list[CheckResult]:
         """Credentials and bucket, before the generic write/read/delete probe."""
         results = []
         try:

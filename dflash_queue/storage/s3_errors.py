@@ -10,7 +10,6 @@ from __future__ import annotations
 from botocore.exceptions import (
     BotoCoreError,
     ClientError,
-    ConnectionError as BotoConnectionError,
     CredentialRetrievalError,
     FlexibleChecksumError,
     HTTPClientError,
@@ -20,6 +19,9 @@ from botocore.exceptions import (
     PartialCredentialsError,
     ProfileNotFound,
     ResponseStreamingError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
 )
 from s3transfer.exceptions import RetriesExceededError
 

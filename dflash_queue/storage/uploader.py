@@ -72,7 +72,7 @@ def _pid_alive(pid: int) -> bool:
 
 def remove_abandoned_staging(root: Path) -> list[Path]:
     """Remove staging sub-directories left on this host by processes that no longer run."""
-    removed = []
+    removed: list[Path] = []
     if not root.is_dir():
         return removed
     pattern = re.compile(rf"^{re.escape(_host_tag())}-(\d+)$")

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 INIT_STD = 0.2
 HIDDEN = 64
@@ -32,7 +33,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 @dataclass(frozen=True)
 class Family:
     name: str
-    build: Callable[[int], object]  # vocab size -> a model with random weights
+    build: Callable[[int], Any]  # vocab size -> a model with random weights
     # What the extraction engine is expected to do with it.
     mode: str = "packed"
     # The model's own attention that applies all its features (SDPA drops soft-capping).

@@ -18,10 +18,10 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import configure_app
-from dflash_queue.shards.training import TrainingShard
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
-from dflash_queue.storage import Storage, open_storage
 from dflash_queue.shards.keys import SHARDS, prompts_key
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
+from dflash_queue.shards.training import TrainingShard
+from dflash_queue.storage import Storage, open_storage
 from dflash_queue.testing.polling import wait_until
 from dflash_queue.verify import VerifyReport, verify
 

@@ -9,15 +9,16 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from dflash_queue.config import Config, load_config
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.shards.keys import COMPLETIONS, PROMPTS, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import LocalStorage
-from dflash_queue.shards.keys import COMPLETIONS, PROMPTS, prompts_key
 from dflash_queue.testing.configs import tiny_config_tables, write_config
 
 SAMPLE_DATASET = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
@@ -45,8 +46,7 @@ def produce_training_shards(
             write_config(
                 root / f"{dtype}.toml",
                 tiny_config_tables(model_path, root / dtype, "", root / "state"),
-                **{"dataset": {"shard_size": shard_size}, "generate.sampling": {"max_tokens": max_tokens},
-                   "extract": {"hidden_dtype": dtype}, "quality": FLAG_EVERYTHING},
+                **_overrides(shard_size, max_tokens, dtype),
             )
         )
         for dtype in hidden_dtypes
@@ -64,7 +64,7 @@ def produce_training_shards(
     generate.close()
 
     extractor = build_extractor(first)
-    for dtype, config in configs.items():
+    for config in configs.values():
         target = LocalStorage(config.storage.url)
         if target.root != storage.root:
             for folder in (PROMPTS, COMPLETIONS):
@@ -74,3 +74,8 @@ def produce_training_shards(
             lane.run(shard_id)
     extractor.close()
     return configs
+
+
+def _overrides(shard_size: int, max_tokens: int, dtype: str) -> dict[str, Any]:
+    return {"dataset": {"shard_size": shard_size}, "generate.sampling": {"max_tokens": max_tokens},
+            "extract": {"hidden_dtype": dtype}, "quality": FLAG_EVERYTHING}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import Any
 
 import boto3
 
@@ -33,7 +34,7 @@ class LoopbackS3:
         self._server_class = ThreadedMotoServer
         self.port = port or free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self._server = None
+        self._server: Any = None
         # One line per request otherwise.
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
@@ -81,7 +82,7 @@ class LoopbackS3Process:
     def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
-        self.process = None
+        self.process: Any = None
 
     def start(self, timeout: float = 60.0) -> LoopbackS3Process:
         import subprocess

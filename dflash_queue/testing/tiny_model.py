@@ -464,8 +464,17 @@ def _build_into(path: Path, params: dict[str, Any]) -> None:
 
 
 def _build_tokenizer():
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
@@ -561,7 +570,8 @@ def _build_model(tokenizer, params: dict[str, Any]):
         pad_token_id=endoftext_id,
         dtype="float32",
     )
-    model = Qwen3ForCausalLM(config).to(torch.float32).eval()
+    model: Any = Qwen3ForCausalLM(config)
+    model = model.to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=None, eos_token_id=[eos_id, endoftext_id], pad_token_id=endoftext_id
     )

@@ -108,6 +108,7 @@ class ShardDataset(Dataset):
                 warnings.warn(f"skipping shard: {problem}", stacklevel=2)
                 self.bad_shards.append((key, problem))
                 continue
+            assert not isinstance(loaded, str)  # a str is a problem, handled above
             self.keys.append(key)
             self.shards.append(loaded)
 

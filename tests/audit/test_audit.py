@@ -18,10 +18,10 @@ from dflash_queue.data.thinking import apply_thinking_policy
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.testing.jobs import stage_samples
-from dflash_queue.shards.keys import completions_key, shard_key
 
 REPO = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = ["OK.", "Sure.", "ok", "Got it.", "N/A", "Yes.", "Done."]

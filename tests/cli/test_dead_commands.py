@@ -11,9 +11,9 @@ from pathlib import Path
 import redis
 from click.testing import CliRunner
 
-from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.cli import main
 from dflash_queue.deadletters import MESSAGE, SAMPLE, TASK, DeadLetter, DeadLetters, exception_fields, record_id
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 
 REPO = Path(__file__).resolve().parents[2]
 

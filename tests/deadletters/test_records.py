@@ -10,7 +10,8 @@ import redis
 from dflash_queue.deadletters import MESSAGE, SAMPLE, TASK, DeadLetter, DeadLetters, Filter, exception_fields, record_id
 
 
-def record(kind=TASK, lane="extract", shard="s1", samples=(), exc=ValueError("bad")) -> DeadLetter:
+def record(kind=TASK, lane="extract", shard="s1", samples=(), exc=None) -> DeadLetter:
+    exc = exc if exc is not None else ValueError("bad")
     return DeadLetter(
         id=record_id(kind, lane, shard, samples, task_id="t1"),
         kind=kind,

@@ -9,7 +9,6 @@ from dflash_queue.doctor.model import check_model, check_thinking_template
 from dflash_queue.testing.templates import PLAIN_TEMPLATE, THINKING_ONLY_TEMPLATE
 
 
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from dflash_queue.storage.config import StorageConfig
 from dflash_queue.doctor.storage import check_configured_storage
 from dflash_queue.storage.checks import PROBE_PREFIX
+from dflash_queue.storage.config import StorageConfig
 from dflash_queue.storage.local import LocalStorage
 
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoConfig, BertConfig, BertForMaskedLM, T5Config
 
-from dflash_queue.engines.architecture import profile_config
-from dflash_queue.errors import UnsupportedArchitecture
-from dflash_queue.engines.hf_extract import HiddenStateExtractor
 from dflash_queue.doctor.model import check_architecture, check_model
+from dflash_queue.engines.architecture import profile_config
+from dflash_queue.engines.hf_extract import HiddenStateExtractor
+from dflash_queue.errors import UnsupportedArchitecture
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from dflash_queue.engines.vllm_generate import (
 )
 from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected
 from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
-from dflash_queue.testing.processes import describe, descendants, survivors
+from dflash_queue.testing.processes import descendants, describe, survivors
 
 pytestmark = pytest.mark.vllm
 

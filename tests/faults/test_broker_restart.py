@@ -57,7 +57,7 @@ def test_workers_reconnect_after_a_broker_restart_and_finish_exactly_once(make_c
         )
         server.stop()
         for worker in workers:
-            wait_until(lambda: "Connection to broker lost" in worker.log_tail(100_000), 60, "the outage noticed")
+            wait_until(lambda worker=worker: "Connection to broker lost" in worker.log_tail(100_000), 60, "the outage noticed")
         server.start()  # same port and directory: the AOF brings back the queue, unacked messages and ledger
 
         wait_for_states(ledger, report.shard_ids, {DONE}, timeout=300, workers=workers)

@@ -16,8 +16,8 @@ from dflash_queue.ops.status import collect_status
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.storage import open_storage
 from dflash_queue.shards.keys import shard_key
+from dflash_queue.storage import open_storage
 from dflash_queue.testing.jobs import first_lines
 from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.testing.polling import wait_for_states

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.deadletters import DeadLetters
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app

@@ -14,10 +14,10 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import LocalStorage, open_storage
-from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 
 REPO = Path(__file__).resolve().parents[2]
 

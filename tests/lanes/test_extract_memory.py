@@ -8,9 +8,9 @@ import torch
 
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.shards.keys import completions_key, shard_key
 
 
 def live_state_bytes(width: tuple[int, int]) -> int:

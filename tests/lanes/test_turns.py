@@ -14,10 +14,10 @@ from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.lanes.turns import split_turns
 from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 
 REPO = Path(__file__).resolve().parents[2]
 MULTI_TURN = REPO / "examples" / "sharegpt_sample.jsonl"

@@ -23,9 +23,9 @@ from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,6 @@ import pytest
 
 from dflash_queue import jsoncodec
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.completions import (
     CompletionRecord,
     ServedTurn,
@@ -17,6 +16,7 @@ from dflash_queue.shards.completions import (
     encode_token_ids,
     token_ids,
 )
+from dflash_queue.shards.verdicts import Verdict
 
 # Largest vocabularies are ~260k; uint32 holds every id up to 2**32 - 1.
 IDS = [0, 1, 151_643, 262_143, 2**32 - 1]
@@ -82,7 +82,7 @@ def test_ids_outside_uint32_are_refused_when_written():
 )
 def test_bad_ids_name_the_file_line_record_and_key(value, reason):
     good = encode_completions([record()])
-    bad = ('{"id":"s9","prompt_ids":[1],"completion_ids":%s,"finish_reason":"stop","thinking":true}\n' % value)
+    bad = f'{{"id":"s9","prompt_ids":[1],"completion_ids":{value},"finish_reason":"stop","thinking":true}}\n'
     with pytest.raises(ShardFormatError, match=r"^c\.jsonl:2: completion record s9: ") as caught:
         decode_completions(good + bad.encode(), what="c.jsonl")
     assert reason in str(caught.value)

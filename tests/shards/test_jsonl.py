@@ -9,7 +9,6 @@ import pytest
 from dflash_queue import jsoncodec
 from dflash_queue.data.samples import Message, Sample, sample_id
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.completions import (
     CompletionRecord,
     ServedTurn,
@@ -20,6 +19,7 @@ from dflash_queue.shards.completions import (
 )
 from dflash_queue.shards.jsonl import dump_jsonl, load_jsonl
 from dflash_queue.shards.prompts import decode_prompts, encode_prompts
+from dflash_queue.shards.verdicts import Verdict
 
 # Characters str.splitlines() breaks on that JSON leaves unescaped, with other non-ASCII text.
 AWKWARD = "line\u2028separator\u2029paragraph\x85next «naïve» 数据 🙂 \"quoted\" \\ tab\t"

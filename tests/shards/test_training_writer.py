@@ -11,11 +11,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, quantize_fp8
 from dflash_queue.shards.layout import header_length, parse_header
 from dflash_queue.shards.training import ShardInfo, TrainingShard, quality_entry
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
+from dflash_queue.shards.verdicts import Verdict
 from dflash_queue.training.dataset import ShardDataset
 
 K, H = 3, 16

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_queue.storage.config import S3Config
 from dflash_queue.errors import StorageCheckFailed
 from dflash_queue.storage import LocalStorage
 from dflash_queue.storage.checks import FAIL, OK, SKIP, check_storage, require_storage
+from dflash_queue.storage.config import S3Config
 from dflash_queue.storage.s3 import S3Storage
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_queue.storage.config import S3Config, StorageConfig
 from dflash_queue.errors import ChecksumMismatch, ConfigError, StorageAccessError, StorageUnavailable
 from dflash_queue.storage import Storage, open_storage
+from dflash_queue.storage.config import S3Config, StorageConfig
 from dflash_queue.storage.s3 import SHA256_METADATA, S3Storage
 from dflash_queue.testing.s3 import LoopbackS3
 

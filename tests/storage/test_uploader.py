@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from dflash_queue.storage.config import S3Config
 from dflash_queue.errors import StorageAccessError
 from dflash_queue.storage import LocalStorage
+from dflash_queue.storage.config import S3Config
 from dflash_queue.storage.s3 import S3Storage
 from dflash_queue.storage.uploader import ShardUploader, UploaderFull, _host_tag
 

@@ -15,9 +15,9 @@ from torch.utils.data import DataLoader
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, shard_id_of
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import LocalStorage
-from dflash_queue.shards.keys import completions_key, shard_id_of
 from dflash_queue.training import ShardDataset, collate_padded
 
 
