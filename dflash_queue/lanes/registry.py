@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from dflash_queue.ledger import CANARY_ERROR, DONE, GENERATED, QUEUED
+from dflash_queue.states import CANARY_ERROR, DONE, GENERATED, QUEUED
 
 if TYPE_CHECKING:
     from dflash_queue.config import Config
@@ -66,6 +66,12 @@ class LaneSpec:
     status_rows: frozenset[str] = frozenset()
     canary_error: str | None = None
     next_lane: str | None = None
+    # How `plan` paces the lane: by the tokens it generates ("generated"), or by whole sequences, prompt and
+    # completion, one prefill each ("sequence"); `work_counter` counts those tokens (over the lane's busy time,
+    # the measured rate), `plan_title` heads its table.
+    paced_by: Literal["generated", "sequence"] = "sequence"
+    work_counter: str = ""
+    plan_title: str = ""
     # Warnings a worker logs at start-up for this lane's settings, given its task slots.
     startup_warnings: Callable[[Config, int], list[str]] = lambda config, slots: []
 
@@ -80,6 +86,10 @@ class LaneSpec:
     @property
     def shards_counter(self) -> str:
         return f"{self.name}_shards"
+
+    @property
+    def samples_counter(self) -> str:
+        return f"{self.name}_samples"
 
     @property
     def canary_counter(self) -> str:
@@ -133,6 +143,9 @@ GENERATE = LaneSpec(
     volume=(("prompt_tokens", "prompt", "tokens"), ("generated_tokens", "generated", "tokens")),
     status_rows=frozenset({"turns", "quality gate"}),
     next_lane="extract",
+    paced_by="generated",
+    work_counter="generate_completion_tokens",
+    plan_title="generation (generated tokens)",
     startup_warnings=_generate_warnings,
 )
 
@@ -153,7 +166,13 @@ EXTRACT = LaneSpec(
     volume=(("tokens", "", "tokens"), ("bytes", "", "bytes")),
     status_rows=frozenset({"canary"}),
     canary_error=CANARY_ERROR,
+    paced_by="sequence",
+    work_counter="extract_tokens",
+    plan_title="extraction (prompt + completion tokens)",
 )
+
+# The lane of a dead letter whose task name or queue names no lane.
+UNKNOWN_LANE = "unknown"
 
 # In pipeline order: the first lane takes staged shards, the last one's output is the training shard.
 LANES: dict[str, LaneSpec] = {spec.name: spec for spec in (GENERATE, EXTRACT)}

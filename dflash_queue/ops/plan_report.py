@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
 from dflash_queue.ops.planner import BYTES_PER_VALUE, ModelShape, PromptStats, hidden_state_bytes, schedule
 from dflash_queue.ops.shard_sizing import ShardSizing
@@ -27,8 +28,8 @@ class PlanInputs:
     output_tokens_per_prompt: float
     output_source: str
     shape: ModelShape
-    generate: Sequence[Throughput]
-    extract: Sequence[Throughput]
+    # Per lane (dflash_queue.lanes.registry): the per-worker rates to plan with.
+    throughputs: Mapping[str, Sequence[Throughput]]
     gpus: int
     gpus_per_worker: int
     subsets: Sequence[int]
@@ -85,9 +86,15 @@ def build_plan(inputs: PlanInputs) -> dict:
         "gpus": inputs.gpus,
         "gpus_per_worker": inputs.gpus_per_worker,
         "populations": populations,
-        # Generation is paced by generated tokens; extraction by whole sequences (one prefill each).
-        "generate": lane(inputs.generate, output),
-        "extract": lane(inputs.extract, prompt_tokens_per_prompt + output),
+        # A lane that generates is paced by the tokens it generates; the others by whole sequences (one prefill
+        # each).
+        **{
+            name: lane(
+                inputs.throughputs.get(name, ()),
+                output if spec.paced_by == "generated" else prompt_tokens_per_prompt + output,
+            )
+            for name, spec in LANES.items()
+        },
     }
 
 
@@ -135,8 +142,8 @@ def render_plan(plan: dict) -> Group:
                 style="bold yellow",
             ))
     workers = plan["gpus"] // plan["gpus_per_worker"]
-    lanes = (("generate", "generation (generated tokens)"), ("extract", "extraction (prompt + completion tokens)"))
-    for lane, what in lanes:
+    for lane, spec in LANES.items():
+        what = spec.plan_title
         if not plan[lane]:
             continue
         table = Table(

@@ -18,6 +18,7 @@ from pathlib import Path
 from dflash_queue.config import Config
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.chat import ChatFormatter
+from dflash_queue.lanes.registry import LANES
 
 # Expected completion tokens per prompt before any measurement, capped by generate.sampling.max_tokens.
 # Thinking replies of Qwen3-class models on chat data run to a few thousand tokens with a heavy tail (a third
@@ -109,21 +110,22 @@ class Measured:
 
     samples: int
     output_tokens_per_sample: float | None
-    generate_tokens_per_s: float | None  # generated tokens per busy worker-second
-    extract_tokens_per_s: float | None  # extracted tokens per busy worker-second
+    # Per lane: the tokens that pace it (LaneSpec.work_counter) per busy worker-second; None before any.
+    tokens_per_s: dict[str, float | None]
 
 
 def measured_from_counters(counters: Mapping[str, int]) -> Measured:
-    samples = counters.get("generate_samples", 0)
-    generated = counters.get("generate_completion_tokens", 0)
-    gen_busy = counters.get("generate_busy_ms", 0) / 1000
-    extracted = counters.get("extract_tokens", 0)
-    ext_busy = counters.get("extract_busy_ms", 0) / 1000
+    generating = next(spec for spec in LANES.values() if spec.paced_by == "generated")
+    samples = counters.get(generating.samples_counter, 0)
+    generated = counters.get(generating.work_counter, 0)
+    rates: dict[str, float | None] = {}
+    for name, spec in LANES.items():
+        work, busy_s = counters.get(spec.work_counter, 0), counters.get(spec.busy_counter, 0) / 1000
+        rates[name] = work / busy_s if busy_s > 0 and work else None
     return Measured(
         samples=samples,
         output_tokens_per_sample=generated / samples if samples else None,
-        generate_tokens_per_s=generated / gen_busy if gen_busy > 0 and generated else None,
-        extract_tokens_per_s=extracted / ext_busy if ext_busy > 0 and extracted else None,
+        tokens_per_s=rates,
     )
 
 

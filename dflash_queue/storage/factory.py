@@ -23,7 +23,12 @@ def open_storage(target: str | StorageConfig) -> Storage:
         raise ConfigError(f"storage.url: {exc}") from None
     scheme = scheme_of(url)
     if scheme == "s3":
-        from dflash_queue.storage.s3 import S3Storage
+        try:
+            from dflash_queue.storage.s3 import S3Storage
+        except ModuleNotFoundError as exc:
+            raise ConfigError(
+                f"storage {url}: S3 needs {exc.name}, which the `s3` extra installs: pip install 'dflash-queue[s3]'"
+            ) from None
 
         return S3Storage(url, None if isinstance(target, str) else target.s3)
     if scheme == "file":

@@ -26,6 +26,12 @@ def test_declared_requirements_against_installed_versions():
     assert conflicts == ["vllm needs torch==2.13.0+cpu, installed 2.9.0+cu128"]
     assert requirement_conflicts("vllm", ["torch==2.9.0"], installed) == []  # a local build of the same version
     assert requirement_conflicts("vllm", ["torch>=2.10"], installed, only=["transformers"]) == []
+    # An extra's requirements count when that extra is asked for.
+    worker = ["transformers<5.0; extra == 'worker'"]
+    assert requirement_conflicts("dflash-queue", worker, installed) == []
+    assert requirement_conflicts("dflash-queue", worker, installed, extras=["worker"]) == [
+        "dflash-queue needs transformers<5.0, installed 5.19.0"
+    ]
 
 
 @pytest.mark.skipif(distribution_of("vllm") is None, reason="vllm is not installed")
@@ -33,7 +39,10 @@ def test_this_environment_is_consistent():
     installed = installed_versions()
     vllm = distribution_of("vllm")
     assert requirement_conflicts(vllm, metadata.requires(vllm), installed) == []
-    assert any(r.startswith("torch") for r in project_requirements())
+    requirements, extras = project_requirements()
+    assert any(r.startswith("torch") for r in requirements)
+    # transformers is required by the `worker` extra, and checked with it.
+    assert "worker" in extras and any(r.startswith("transformers") and "worker" in r for r in requirements)
     checks = check_versions(vllm_needed=True)
     assert [(c.name, c.verdict) for c in checks] == [("versions", "pass")]
     assert "torch" in checks[0].detail and vllm in checks[0].detail

@@ -107,9 +107,9 @@ def test_measured_averages_from_counters():
         "extract_tokens": 400_000, "extract_busy_ms": 40_000,
     })
     assert run.output_tokens_per_sample == 1500
-    assert run.generate_tokens_per_s == 1200
-    assert run.extract_tokens_per_s == 10_000
-    assert measured_from_counters({}).output_tokens_per_sample is None
+    assert run.tokens_per_s == {"generate": 1200, "extract": 10_000}
+    empty = measured_from_counters({})
+    assert empty.output_tokens_per_sample is None and empty.tokens_per_s == {"generate": None, "extract": None}
 
 
 def test_reservoir_is_a_uniform_sample_of_distinct_items():
@@ -214,6 +214,10 @@ def test_plan_uses_a_runs_measured_averages(make_config, redis_url):
     assert measured_generate["tokens_per_s"] == 200 and measured_generate["label"] == "measured 200 tok/s"
     assert measured_generate["runs"][0]["wall_s"] == pytest.approx(50 * 40 / 200)
     assert plan["extract"][0]["tokens_per_s"] == 3000
+    # Generation is paced by the tokens it generates, extraction by whole sequences (prompt + completion).
+    mean_prompt = plan["prompt_tokens"]["mean_per_prompt"]
+    assert measured_generate["runs"][0]["tokens"] == pytest.approx(50 * 40)
+    assert plan["extract"][0]["runs"][0]["tokens"] == pytest.approx(50 * (mean_prompt + 40))
 
 
 def test_plan_text_answers_in_one_table(make_config):
@@ -227,3 +231,4 @@ def test_plan_text_answers_in_one_table(make_config):
     out = result.stdout
     # 1M prompts x 1,370 tokens at 160 tok/s: 99.1 days; at 1,200: 13.2 days; 300K at 1,200: 4.0 days.
     assert "99.1 days" in out and "13.2 days" in out and "4.0 days" in out
+    assert "generation (generated tokens) on 1 GPU(s)" in out
