@@ -15,9 +15,9 @@ from dflash_queue.config import Config, load_config
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
-from dflash_queue.testing.configs import tiny_config_tables, write_config
-from dflash_queue.testing.s3 import TEST_CREDENTIALS, LoopbackS3
-from dflash_queue.testing.tiny_model import build_tiny_model
+from dfq_testing.configs import tiny_config_tables, write_config
+from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
+from dfq_testing.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,8 +49,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_family(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """Build (once per session) the tiny checkpoint of a model family (dflash_queue.testing.families)."""
-    from dflash_queue.testing.families import build_family
+    """Build (once per session) the tiny checkpoint of a model family (dfq_testing.families)."""
+    from dfq_testing.families import build_family
 
     def build(name: str) -> Path:
         return build_family(name, tmp_path_factory.getbasetemp() / f"family-{name}", tiny_model)
@@ -122,7 +122,7 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
 def pipeline_shards(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Config]:
     """Shards made by the real generate and extract lanes: the same 12 samples (2 shards) extracted as
     float32, bfloat16 and fp8_e4m3; {hidden_dtype: config}. Read-only: copy before altering."""
-    from dflash_queue.testing.pipeline_shards import produce_training_shards
+    from dfq_testing.pipeline_shards import produce_training_shards
 
     return produce_training_shards(
         tiny_model, tmp_path_factory.mktemp("pipeline-shards"), hidden_dtypes=("float32", "bfloat16", "fp8_e4m3")

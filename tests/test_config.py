@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, load_config
 from dflash_queue.errors import ConfigError
-from dflash_queue.testing.configs import to_toml
+from dfq_testing.configs import to_toml
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -2,7 +2,7 @@
 forward pass over each sample alone, through the real generate and extract lanes.
 
 One tiny random-weight model per family (built from Transformers' config classes, weights scaled so that a wrong
-answer shows; dflash_queue.testing.families). Its own Transformers engine regenerates the replies (greedy, so
+answer shows; dfq_testing.families). Its own Transformers engine regenerates the replies (greedy, so
 they can be checked against the model's own `generate`), then the extract lane packs them with a token budget
 that puts several samples in a pass and needs several passes, and stores every layer (and the final-norm state).
 The reference is the checkpoint's own class (`Qwen3_5ForConditionalGeneration` for a multimodal Qwen3.5) run on
@@ -27,9 +27,9 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.families import FAMILIES, NUM_LAYERS
-from dflash_queue.testing.jobs import stage_samples
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.families import FAMILIES, NUM_LAYERS
+from dfq_testing.jobs import stage_samples
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 
 SAMPLE = Path(__file__).resolve().parent / ".." / "examples" / "sharegpt_sample.jsonl"
 SAMPLES = 10

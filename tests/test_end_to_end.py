@@ -21,9 +21,9 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.jobs import first_lines
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.jobs import first_lines
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -91,7 +91,7 @@ def test_pipeline_produces_exact_training_shards(make_config, redis_url, start_w
 
 def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
     """`dflash-queue run` with no broker configured: private redis-server, workers, summary, clean exit."""
-    from dflash_queue.testing.configs import tiny_config_tables, write_config
+    from dfq_testing.configs import tiny_config_tables, write_config
 
     tables = tiny_config_tables(tiny_model, tmp_path / "unused-storage", "", tmp_path / "state")
     config_path = write_config(tmp_path / "run.toml", tables)
@@ -160,7 +160,7 @@ def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_pa
     import signal
     import time
 
-    from dflash_queue.testing.configs import tiny_config_tables, write_config
+    from dfq_testing.configs import tiny_config_tables, write_config
 
     tables = tiny_config_tables(tiny_model, tmp_path / "out", "", tmp_path / "state")
     config_path = write_config(tmp_path / "run.toml", tables, **{"generate.sampling": {"max_tokens": 400}})

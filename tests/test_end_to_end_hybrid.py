@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
-from dflash_queue.testing.configs import tiny_config_tables, write_config
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.training import ShardDataset
+from dfq_testing.configs import tiny_config_tables, write_config
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow

@@ -24,9 +24,9 @@ from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.storage.s3 import SHA256_METADATA
-from dflash_queue.testing.jobs import first_lines
-from dflash_queue.testing.polling import wait_for_states
-from dflash_queue.testing.s3 import LoopbackS3
+from dfq_testing.jobs import first_lines
+from dfq_testing.polling import wait_for_states
+from dfq_testing.s3 import LoopbackS3
 
 REPO = Path(__file__).resolve().parent
 SAMPLE = REPO.parent / "examples" / "sharegpt_sample.jsonl"

@@ -24,11 +24,11 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.configs import tiny_vllm_overrides
-from dflash_queue.testing.jobs import first_lines
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
-from dflash_queue.testing.processes import descendants, describe, survivors
+from dfq_testing.configs import tiny_vllm_overrides
+from dfq_testing.jobs import first_lines
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states
+from dfq_testing.processes import descendants, describe, survivors
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"

@@ -15,7 +15,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
+from dfq_testing.templates import THINKING_ONLY_TEMPLATE
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"

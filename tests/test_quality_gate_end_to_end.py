@@ -21,7 +21,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parent
 SAMPLE = REPO.parent / "examples" / "sharegpt_sample.jsonl"

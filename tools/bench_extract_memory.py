@@ -99,7 +99,7 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
     from dflash_queue.shards.completions import CompletionRecord, encode_completions
     from dflash_queue.shards.keys import completions_key
     from dflash_queue.storage import open_storage
-    from dflash_queue.testing.configs import tiny_config_tables, write_config
+    from dfq_testing.configs import tiny_config_tables, write_config
 
     torch.set_num_threads(2)
     tables = tiny_config_tables(model, work / "store", "redis://127.0.0.1:9/0", work / "state")

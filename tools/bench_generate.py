@@ -55,9 +55,9 @@ from dflash_queue.shards.completions import decode_completions  # noqa: E402
 from dflash_queue.shards.keys import completions_key, prompts_key  # noqa: E402
 from dflash_queue.shards.prompts import decode_prompts  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
-from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config  # noqa: E402
-from dflash_queue.testing.polling import wait_for_states  # noqa: E402
-from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
+from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config  # noqa: E402
+from dfq_testing.polling import wait_for_states  # noqa: E402
+from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 LONG_TAIL_VERSION = 1
 
@@ -87,7 +87,7 @@ def build_long_tail_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_queue.testing.tiny_model import TINY_CORPUS
+    from dfq_testing.tiny_model import TINY_CORPUS
 
     base = build_tiny_model(
         out_dir.with_name(out_dir.name + "-base"), eos_stop_probability=eos_stop_probability, seed=seed

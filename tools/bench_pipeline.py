@@ -61,9 +61,9 @@ from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.shards.keys import prompts_key  # noqa: E402
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
-from dflash_queue.testing.configs import tiny_config_tables, write_config  # noqa: E402
-from dflash_queue.testing.polling import wait_for_states  # noqa: E402
-from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
+from dfq_testing.configs import tiny_config_tables, write_config  # noqa: E402
+from dfq_testing.polling import wait_for_states  # noqa: E402
+from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 LANE_OF = {GENERATE.task_name: "generate", EXTRACT.task_name: "extract"}
 

@@ -41,10 +41,10 @@ from dflash_queue.shards.keys import COMPLETIONS, SHARDS, completions_key, promp
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
 from dflash_queue.storage.s3 import S3Storage, file_sha256  # noqa: E402
-from dflash_queue.testing.configs import tiny_config_tables, write_config  # noqa: E402
-from dflash_queue.testing.polling import wait_for_states  # noqa: E402
-from dflash_queue.testing.s3 import TEST_CREDENTIALS, LoopbackS3Process  # noqa: E402
-from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
+from dfq_testing.configs import tiny_config_tables, write_config  # noqa: E402
+from dfq_testing.polling import wait_for_states  # noqa: E402
+from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3Process  # noqa: E402
+from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 MiB = 1024 * 1024
 

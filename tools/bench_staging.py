@@ -39,8 +39,8 @@ from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.staging import EnqueueReport, iter_samples  # noqa: E402
-from dflash_queue.testing.configs import tiny_config_tables, write_config  # noqa: E402
-from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
+from dfq_testing.configs import tiny_config_tables, write_config  # noqa: E402
+from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 SUBJECTS = ["a binary search", "the French revolution", "photosynthesis", "a REST API", "compound interest",
             "sourdough bread", "black holes", "SQL joins", "the immune system", "a haiku about rain"]

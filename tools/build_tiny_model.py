@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Build the tiny random-weight Qwen3 test model (see ``dflash_queue.testing.tiny_model``).
+"""Build the tiny random-weight Qwen3 test model (see ``dfq_testing.tiny_model``).
 
 Usage: python tools/build_tiny_model.py OUT_DIR [--layers N] [--seed S] [--hidden-size H]
                                         [--eos-stop-probability P] [--overwrite]
@@ -19,7 +19,7 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from dflash_queue.testing.tiny_model import build_tiny_model  # noqa: E402
+from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.jobs import stage_samples
+from dfq_testing.jobs import stage_samples
 
 REPO = Path(__file__).resolve().parents[2]
 PLACEHOLDERS = ["OK.", "Sure.", "ok", "Got it.", "N/A", "Yes.", "Done."]

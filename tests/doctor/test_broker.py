@@ -6,7 +6,7 @@ import redis
 
 from dflash_queue.doctor.broker import check_broker, durability_warnings
 from dflash_queue.redis_server import RedisServer, free_port
-from dflash_queue.testing.jobs import connect
+from dfq_testing.jobs import connect
 
 
 def verdicts(checks) -> dict[str, str]:

@@ -6,7 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.doctor.model import check_model, check_thinking_template
-from dflash_queue.testing.templates import PLAIN_TEMPLATE, THINKING_ONLY_TEMPLATE
+from dfq_testing.templates import PLAIN_TEMPLATE, THINKING_ONLY_TEMPLATE
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from dflash_queue.data.samples import Message
 from dflash_queue.engines.base import GenerationRequest
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
-from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
+from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
 
 TOPICS = ["rivers", "code", "the moon", "tea", "graphs", "rain", "salt", "maps", "ice", "wind", "trains", "clocks",
           "bees", "glass", "paper"]

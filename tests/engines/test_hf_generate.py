@@ -12,7 +12,7 @@ from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 @pytest.fixture(scope="module")
 def engine_config(tiny_model, tmp_path_factory):
     from dflash_queue.config import load_config
-    from dflash_queue.testing.configs import tiny_config_tables, write_config
+    from dfq_testing.configs import tiny_config_tables, write_config
 
     tmp = tmp_path_factory.mktemp("gen")
     tables = tiny_config_tables(tiny_model, tmp / "s", "redis://127.0.0.1:1/0", tmp / "state")

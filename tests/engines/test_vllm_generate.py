@@ -20,8 +20,8 @@ from dflash_queue.engines.vllm_generate import (
     sampling_kwargs,
 )
 from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected
-from dflash_queue.testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
-from dflash_queue.testing.processes import descendants, describe, survivors
+from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
+from dfq_testing.processes import descendants, describe, survivors
 
 pytestmark = pytest.mark.vllm
 

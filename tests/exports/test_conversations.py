@@ -20,7 +20,7 @@ from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.jobs import stage_samples
+from dfq_testing.jobs import stage_samples
 
 REPO = Path(__file__).resolve().parents[2]
 DATASETS = [REPO / "examples" / "sharegpt_sample.jsonl", REPO / "examples" / "tool_use_sample.jsonl"]

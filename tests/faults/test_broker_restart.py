@@ -16,9 +16,9 @@ from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.redis_server import RedisServer
-from dflash_queue.testing.jobs import connect, done_count, exactly_once_problems, first_lines
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states, wait_until
+from dfq_testing.jobs import connect, done_count, exactly_once_problems, first_lines
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states, wait_until
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow

@@ -18,9 +18,9 @@ from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.testing.jobs import assert_accounted, first_lines
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.jobs import assert_accounted, first_lines
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow

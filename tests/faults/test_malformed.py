@@ -14,9 +14,9 @@ from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.testing.jobs import assert_accounted
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.jobs import assert_accounted
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

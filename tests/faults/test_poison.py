@@ -21,9 +21,9 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.jobs import assert_accounted, first_lines, wait_accounted
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.jobs import assert_accounted, first_lines, wait_accounted
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ import pytest
 from dflash_queue.faults import ENV
 from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.testing.jobs import exactly_once_problems, first_lines, read_only, root_bypass_dropped
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states, wait_until
+from dfq_testing.jobs import exactly_once_problems, first_lines, read_only, root_bypass_dropped
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states, wait_until
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow

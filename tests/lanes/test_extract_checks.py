@@ -19,7 +19,7 @@ from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 
 SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 

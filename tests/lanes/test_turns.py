@@ -165,7 +165,7 @@ def test_thinking_is_recorded_as_the_prompt_did_it(
     """With `auto`, some samples ask for thinking off; a thinking-only template opens <think> anyway, so every
     reply starts inside a thinking block and is recorded `thinking = true`. A template with a switch records
     what was asked."""
-    from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
+    from dfq_testing.templates import THINKING_ONLY_TEMPLATE
 
     every = example_samples("last", "auto", 50)
     samples = [s for s in every if s.thinking][:3] + [s for s in every if not s.thinking][:3]
@@ -185,7 +185,7 @@ def test_thinking_is_recorded_as_the_prompt_did_it(
 
 
 def test_a_generate_worker_refuses_a_policy_its_template_cannot_honour(make_config, tiny_model_with_template, start_worker):
-    from dflash_queue.testing.templates import THINKING_ONLY_TEMPLATE
+    from dfq_testing.templates import THINKING_ONLY_TEMPLATE
 
     config = make_config(model={"path": str(tiny_model_with_template(THINKING_ONLY_TEMPLATE))},
                          dataset={"thinking": "never"})
@@ -323,7 +323,7 @@ def test_as_served_replies_that_render_back_as_generated_stay_one_sequence(make_
     sequence, its loss mask on every reply."""
     from transformers import AutoTokenizer
 
-    from dflash_queue.testing.templates import PLAIN_TEMPLATE
+    from dfq_testing.templates import PLAIN_TEMPLATE
 
     model = tiny_model_with_template(PLAIN_TEMPLATE, "tiny-plain")
     config = make_config(model={"path": str(model)}, dataset={"regenerate": "all", "thinking": "never"})

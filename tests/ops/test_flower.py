@@ -21,7 +21,7 @@ from dflash_queue.ops.flower import check_basic_auth, flower_argv
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.redis_server import free_port
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"

@@ -19,9 +19,9 @@ from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
-from dflash_queue.testing.configs import tiny_vllm_overrides
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
-from dflash_queue.testing.polling import wait_for_states
+from dfq_testing.configs import tiny_vllm_overrides
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -135,7 +135,7 @@ print(json.dumps(out))
 
 
 def test_a_read_only_directory_is_unavailable_and_a_failed_write_leaves_nothing(tmp_path):
-    from dflash_queue.testing.jobs import read_only, root_bypass_dropped
+    from dfq_testing.jobs import read_only, root_bypass_dropped
 
     root = tmp_path / "root"
     storage = LocalStorage(root)

@@ -12,7 +12,7 @@ from dflash_queue.errors import ChecksumMismatch, ConfigError, StorageAccessErro
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.config import S3Config, StorageConfig
 from dflash_queue.storage.s3 import SHA256_METADATA, S3Storage
-from dflash_queue.testing.s3 import LoopbackS3
+from dfq_testing.s3 import LoopbackS3
 
 MiB = 1024 * 1024
 

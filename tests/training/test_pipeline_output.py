@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_id_of
 from dflash_queue.storage import LocalStorage
-from dflash_queue.testing.configs import tiny_config_tables, write_config
-from dflash_queue.testing.pipeline_shards import FLAG_EVERYTHING
 from dflash_queue.training import ShardDataset, collate_padded
+from dfq_testing.configs import tiny_config_tables, write_config
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

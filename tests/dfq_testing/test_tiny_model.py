@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_queue.testing.tiny_model import MARKER_FILE, build_tiny_model
+from dfq_testing.tiny_model import MARKER_FILE, build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -1,4 +1,4 @@
-from dflash_queue.testing import polling
+from dfq_testing import polling
 
 
 class StatesAfter:

@@ -22,8 +22,8 @@ from dflash_queue.shards.keys import SHARDS, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.testing.polling import wait_until
 from dflash_queue.verify import VerifyReport, verify
+from dfq_testing.polling import wait_until
 
 
 def stage_samples(storage: Storage, samples: list[Sample]) -> str:

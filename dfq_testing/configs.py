@@ -5,26 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {value!r} as TOML")
+import tomli_w
 
 
 def to_toml(tables: dict[str, dict[str, Any]]) -> str:
-    lines: list[str] = []
+    """TOML of `tables` keyed by dotted table names ("generate.sampling")."""
+    nested: dict[str, Any] = {}
     for table, values in tables.items():
-        lines.append(f"[{table}]")
-        lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
-        lines.append("")
-    return "\n".join(lines)
+        node = nested
+        for part in table.split("."):
+            node = node.setdefault(part, {})
+        node.update(values)
+    return tomli_w.dumps(nested)
 
 
 def tiny_config_tables(model_path: Path, storage: Path | str, broker_url: str, state_dir: Path) -> dict[str, dict[str, Any]]:

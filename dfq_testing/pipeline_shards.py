@@ -19,9 +19,9 @@ from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.keys import COMPLETIONS, PROMPTS, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import LocalStorage
-from dflash_queue.testing.configs import tiny_config_tables, write_config
+from dfq_testing.configs import tiny_config_tables, write_config
 
-SAMPLE_DATASET = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
+SAMPLE_DATASET = Path(__file__).resolve().parents[1] / "examples" / "sharegpt_sample.jsonl"
 
 
 # Every check flags instead of dropping, so every sample reaches the training shards.
@@ -41,6 +41,8 @@ def produce_training_shards(
     """{hidden_dtype: config whose storage.url holds prompts/, completions/ and shards/ for those samples}."""
     root.mkdir(parents=True, exist_ok=True)
     prompts = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)][:samples]
+    if not prompts:
+        raise ValueError(f"{dataset}: no samples to make shards of")
     configs = {
         dtype: load_config(
             write_config(
