@@ -37,8 +37,12 @@ BACKOFF_MIN_SYSTEMD = 254
 GpuGroup = tuple[int, ...]
 
 
+# Every lane's worker unit is rendered from this one template, its @LANE@ filled in.
+WORKER_TEMPLATE = "dflash-lane@.service"
+
+
 def worker_unit(lane: str) -> str:
-    """The template unit of a lane's workers (`units/dflash-{lane}@.service`)."""
+    """The template unit of a lane's workers, as installed."""
     return f"dflash-{lane}@.service"
 
 
@@ -153,10 +157,12 @@ def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) 
         "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),
         "WANTS": " ".join(layout.instances()),
     }
-    names = [TARGET_UNIT, *(worker_unit(lane) for lane in layout.lanes())]
+    units = {TARGET_UNIT: _fill(template(TARGET_UNIT), fields)}
+    for lane in layout.lanes():
+        units[worker_unit(lane)] = _fill(template(WORKER_TEMPLATE), {**fields, "LANE": lane})
     if layout.flower:
-        names.append(FLOWER_UNIT)
-    return {name: _fill(template(name), fields) for name in names}
+        units[FLOWER_UNIT] = _fill(template(FLOWER_UNIT), fields)
+    return units
 
 
 def _fill(text: str, fields: dict[str, str]) -> str:

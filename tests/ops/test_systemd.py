@@ -212,6 +212,11 @@ def test_the_install_command_takes_one_gpu_group_option_per_lane(make_config, tm
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in dest.iterdir()) == ["dflash-extract@.service", "dflash-generate@.service",
                                                       "dflash.target"]
+    for lane in ("generate", "extract"):  # one template, rendered per lane
+        unit = (dest / f"dflash-{lane}@.service").read_text()
+        [exec_start] = directive(unit, "ExecStart")
+        assert exec_start.endswith(f"worker {lane} -c {config.source} --gpus %i --hostname {lane}-%i@%%h")
+        assert directive(unit, "SyslogIdentifier") == [f"dflash-{lane}-%i"] and "@LANE@" not in unit
     wants = directive((dest / "dflash.target").read_text(), "Wants")
     assert wants == ["dflash-generate@0-1.service dflash-extract@2.service dflash-extract@3.service"]
     bad = CliRunner().invoke(main, ["systemd", "install", "-c", config.source, "--extract", "x", "--dest", str(dest)])
