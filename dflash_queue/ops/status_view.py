@@ -46,7 +46,7 @@ def status_table(status: RunStatus) -> Group:
     if status.storage_error:
         notes.append(Text(f"storage {status.storage} not checked ({status.storage_error}): done as the ledger says"))
     if status.finished:
-        footer = Text("run finished: every shard has passed both lanes", style="green")
+        footer = Text("run finished: every shard has passed every lane", style="green")
     elif not any(lane.shards_total for lane in status.lanes.values()):
         footer = Text(f"nothing enqueued yet for run {status.run}")
     else:
