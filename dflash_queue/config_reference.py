@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import typing
+from collections.abc import Iterable
 from typing import Any, Literal, get_args, get_origin
 
 from annotated_types import Ge, Gt, Le, Lt, MaxLen, MinLen
@@ -73,10 +74,13 @@ def _own_doc(model: type[BaseModel]) -> str:
 
 
 def _type(field: FieldInfo) -> str:
-    text = _type_name(field.annotation)
-    bounds = [_bound(item) for item in field.metadata]
-    bounds = [b for b in bounds if b]
-    return f"{text} ({', '.join(bounds)})" if bounds else text
+    return _bounded(_type_name(field.annotation), field.metadata)
+
+
+def _bounded(name: str, metadata: Iterable[Any]) -> str:
+    """`name` followed by the constraints in `metadata` (`integer (> 0)`)."""
+    bounds = [b for b in (_bound(item) for item in metadata) if b]
+    return f"{name} ({', '.join(bounds)})" if bounds else name
 
 
 def _type_name(annotation: Any) -> str:
@@ -85,9 +89,7 @@ def _type_name(annotation: Any) -> str:
         return " \\| ".join(f"`{json.dumps(value)}`" for value in get_args(annotation))
     if origin is typing.Annotated:
         base, *metadata = get_args(annotation)
-        bounds = [b for b in (_bound(m) for m in metadata) if b]
-        name = _type_name(base)
-        return f"{name} ({', '.join(bounds)})" if bounds else name
+        return _bounded(_type_name(base), metadata)
     if origin in (tuple, list):
         args = [a for a in get_args(annotation) if a is not Ellipsis]
         return f"list of {_type_name(args[0])}" if args else "list"

@@ -61,9 +61,9 @@ class LaneSpec:
     counters: tuple[tuple[str, str], ...]
     # How `status` shows the lane's volume: (counter label, caption, "tokens" or "bytes"), in order.
     volume: tuple[tuple[str, str, str], ...] = ()
-    # Rows of the status view that only some lanes fill: "turns" and "quality gate" (a lane that generates),
-    # "canary" (a lane that checks its states; its ledger maximum is `canary_error`).
+    # Rows of the status view that only some lanes fill: "turns" and "quality gate" (a lane that generates).
     status_rows: frozenset[str] = frozenset()
+    # The ledger maximum of a lane that checks its states with a canary (its status row shows it); None: none.
     canary_error: str | None = None
     next_lane: str | None = None
     # How `plan` paces the lane: by the tokens it generates ("generated"), or by whole sequences, prompt and
@@ -164,7 +164,6 @@ EXTRACT = LaneSpec(
         ("extract_bytes", "bytes"),
     ),
     volume=(("tokens", "", "tokens"), ("bytes", "", "bytes")),
-    status_rows=frozenset({"canary"}),
     canary_error=CANARY_ERROR,
     paced_by="sequence",
     work_counter="extract_tokens",

@@ -188,6 +188,7 @@ def collect_status(
         if "quality gate" in spec.status_rows:
             status.quality = {k: v for k, v in sorted(counters.items()) if k.startswith(QUALITY_PREFIX)}
             status.quality_dropped = counters.get("gate_drop", 0)
+        if "turns" in spec.status_rows:
             status.finish_reasons = {
                 k.removeprefix("finish_"): v for k, v in sorted(counters.items()) if k.startswith("finish_")
             }

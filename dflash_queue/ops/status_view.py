@@ -100,7 +100,7 @@ def _quality(s: LaneStatus) -> str:
 
 
 def _canary(s: LaneStatus) -> str:
-    if not _shown(s, "canary"):
+    if LANES[s.lane].canary_error is None:
         return "—"
     if not s.canary_samples or s.canary_worst_error is None:
         return "no sample checked yet"
