@@ -3,7 +3,8 @@
 orjson parses and writes several times faster than `json`, but refuses some input `json` accepts (NaN and
 Infinity, lone surrogates, non-UTF-8 bytes; integers past 64 bits and non-string keys when writing), reads an
 integer past 64 bits as a float, and writes NaN and Infinity as null. Whatever orjson refuses, and any text
-with an integer that may be that long, goes to `json`; a value holding a non-finite float is written by
+with an integer that may be that long, goes to `json` (a long document whose value holds no float at all needs no
+look at its text: orjson read every number in it as an int); a value holding a non-finite float is written by
 `json`. So every value and every error (a bad record's reason comes from `json.JSONDecodeError`) stays what
 the standard library gives. `dumps` writes what `json.dumps(value, ensure_ascii=False, separators=(",", ":"))`
 writes, UTF-8 encoded; only floats may be spelt differently (`1e-05` as `0.00001`), never their values. (orjson
@@ -31,6 +32,9 @@ _fast = True
 _LONG_RUN = b"\x01" * 19
 _LONG_RUN_TEXT = re.compile("[0-9]{19}")
 _DIGIT_MASK = bytes(1 if 0x30 <= byte <= 0x39 else 0 for byte in range(256))
+# Past this many bytes, looking through the value for a float costs less than scanning the text for digits (shard
+# records: a few containers around long strings of text and base64).
+_WALK_ABOVE = 2048
 
 
 @contextmanager
@@ -52,11 +56,38 @@ def loads(data: bytes | str) -> Any:
         except orjson.JSONDecodeError:
             pass
         else:
-            if not _long_digit_run(data):
+            if _as_json_reads(data, value):
                 return value
     if not isinstance(data, str):
         data = bytes(data).decode("utf-8")
     return json.loads(data)
+
+
+def _as_json_reads(data: bytes | str, value: Any) -> bool:
+    """Whether orjson's `value` of `data` is what `json` reads: no integer past 64 bits became a float."""
+    if len(data) > _WALK_ABOVE and not _holds_float(value):
+        return True
+    return not _long_digit_run(data)
+
+
+def _holds_float(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            kinds = set(map(type, item))  # lists of token ids: one pass in C instead of one per element
+            if float in kinds:
+                return True
+            if not kinds <= _SCALARS:
+                stack.extend(item)
+        elif isinstance(item, float):
+            return True
+    return False
+
+
+_SCALARS = {int, str, bool, type(None)}
 
 
 def _long_digit_run(data: bytes | str) -> bool:

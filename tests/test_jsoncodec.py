@@ -81,6 +81,25 @@ def test_loads_gives_what_json_gives_for_any_bytes(data):
     assert same_value(got[1], expected[1]) if got[0] == "ok" else got == expected
 
 
+@SETTINGS
+@given(values)
+def test_loads_gives_what_json_gives_for_long_documents(value):
+    """Past a few kilobytes, loads looks through orjson's value for floats instead of scanning the text."""
+    padding = "x" * (jsoncodec._WALK_ABOVE + 1)
+    for document in ([padding, value], {"text": padding, "value": [value, [1, 2, value]]}):
+        data = json.dumps(document, ensure_ascii=False).encode("utf-8", errors="surrogatepass")
+        expected = outcome(lambda data=data: json.loads(data.decode("utf-8")))
+        got = outcome(lambda data=data: jsoncodec.loads(memoryview(data)))
+        assert got[0] == expected[0]
+        assert same_value(got[1], expected[1]) if got[0] == "ok" else got == expected
+
+
+def test_long_documents_with_integers_past_64_bits_read_exactly():
+    padding = "x" * (jsoncodec._WALK_ABOVE + 1)
+    for big in (2**64, -(2**63) - 1, 10**30):
+        assert jsoncodec.loads(json.dumps({"text": padding, "n": [[1, big]]}).encode())["n"] == [[1, big]]
+
+
 no_floats = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | any_text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),

@@ -17,7 +17,7 @@ from dflash_queue.shards.completions import (
     encode_completions,
     token_ids,
 )
-from dflash_queue.shards.jsonl import dump_jsonl, load_jsonl
+from dflash_queue.shards.jsonl import dump_jsonl, load_jsonl, load_numbered_jsonl
 from dflash_queue.shards.prompts import decode_prompts, encode_prompts
 from dflash_queue.shards.verdicts import Verdict
 
@@ -87,3 +87,13 @@ def test_token_ids_convert_exactly_as_int_did():
     for bad in ([1.5, "x"], [None], [[1]]):
         with pytest.raises((TypeError, ValueError)):
             token_ids(bad)
+
+
+@pytest.mark.parametrize("stdlib", [False, True], ids=["orjson", "stdlib"])
+def test_blank_lines_are_skipped_and_counted(stdlib):
+    with jsoncodec.standard_library() if stdlib else nullcontext():
+        data = b'{"a": 1}\n\n \t\r\n\x0b\n  {"a": 2}\r\n\t{"a": 3}'
+        assert [(n, row["a"]) for n, row in load_numbered_jsonl(data, what="w")] == [(1, 1), (5, 2), (6, 3)]
+        with pytest.raises(ShardFormatError, match=r"^w:4: corrupt JSON line"):
+            load_numbered_jsonl(b'{"a": 1}\n\n \n x\n', what="w")
+        assert load_numbered_jsonl(b"", what="w") == [] and load_numbered_jsonl(b"\n\n", what="w") == []
