@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_queue.config import Config
-from dflash_queue.data.length import LengthFilter
+from dflash_queue.data.length import TOO_LONG, LengthFilter
 from dflash_queue.data.problems import BadRecord, ProblemLog
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
@@ -24,6 +24,8 @@ class EnqueueReport:
     duplicates: int = 0
     # Samples in shards (after the length filter).
     staged: int = 0
+    # Samples the chat template refused to render while they were counted (also bad records).
+    refused: int = 0
     thinking_on: int = 0
     prompt_tokens: int = 0
     max_prompt_tokens: int = 0
@@ -46,7 +48,9 @@ class EnqueueReport:
     def lines(self) -> list[str]:
         out = [
             f"samples: {self.samples} ({self.duplicates} exact duplicates dropped, "
-            f"{self.too_long.total} too long for the context skipped, {self.staged} staged, "
+            f"{self.too_long.total} too long for the context skipped, "
+            + (f"{self.refused} refused by the chat template, " if self.refused else "")
+            + f"{self.staged} staged, "
             f"thinking on for {self.thinking_on})",
         ]
         if self.staged and self.prompt_tokens:
@@ -107,7 +111,11 @@ def iter_samples(
         return
     for item in length_filter.filter(distinct()):
         if isinstance(item, BadRecord):
-            report.too_long.add(item)
+            if item.kind == TOO_LONG:
+                report.too_long.add(item)
+            else:
+                report.refused += 1
+                report.problems.add(item)
             continue
         report.staged += 1
         report.thinking_on += item.sample.thinking

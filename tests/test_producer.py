@@ -15,7 +15,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage
-from dfq_testing.templates import THINKING_ONLY_TEMPLATE
+from dfq_testing.templates import ALTERNATING_TEMPLATE, THINKING_ONLY_TEMPLATE
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -95,6 +95,26 @@ def test_length_filter_skips_prompts_that_leave_no_room_and_counts_them(make_con
     assert f"{dataset}:7: prompt too long:" in text and "< 200 for generation inside max_model_len 600" in text
     assert ledger.counters()["skipped_too_long"] == 1 and ledger.counters()["enqueued_samples"] == 6
     assert 0 < report.max_prompt_tokens <= 400 and report.prompt_tokens >= report.max_prompt_tokens
+    staged = decode_prompts(open_storage(config.storage.url).read_bytes(prompts_key(report.shard_ids[0])), what="p")
+    assert len(staged) == 6
+
+
+def test_conversations_the_chat_template_refuses_are_bad_records_and_the_run_goes_on(
+    make_config, redis_url, tiny_model_with_template, tmp_path
+):
+    model = tiny_model_with_template(ALTERNATING_TEMPLATE)
+    twice = json.dumps({"conversations": [{"from": "human", "value": "one"}, {"from": "human", "value": "two"}]})
+    dataset = tmp_path / "roles.jsonl"
+    dataset.write_text("\n".join([*SAMPLE.read_text().splitlines()[:4], twice, *SAMPLE.read_text().splitlines()[4:6]]) + "\n")
+    config = make_config(model={"path": str(model)})
+    configure_app(config)
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    report = Producer(config, ledger).enqueue([dataset])
+    assert report.samples == 7 and report.refused == 1 and report.staged == 6 and report.too_long.total == 0
+    text = "\n".join(report.lines())
+    assert "1 refused by the chat template, 6 staged" in text
+    assert f"{dataset}:5: chat template refused the conversation: Conversation roles must alternate" in text
+    assert ledger.counters()["bad_records"] == 1 and ledger.counters()["enqueued_samples"] == 6
     staged = decode_prompts(open_storage(config.storage.url).read_bytes(prompts_key(report.shard_ids[0])), what="p")
     assert len(staged) == 6
 

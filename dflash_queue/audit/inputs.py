@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_queue.audit.stats import brief, counts_of, describe, share
-from dflash_queue.data.length import LengthFilter, count_prompt_tokens
+from dflash_queue.data.length import LengthFilter, Refused, count_prompt_tokens, source_position
 from dflash_queue.data.problems import BadRecord, ProblemLog
 from dflash_queue.data.readers import ConversationRecord, read_conversations
 from dflash_queue.data.samples import Sample
@@ -96,9 +96,9 @@ def audit_dataset(paths: Iterable[str | Path], settings: AuditSettings) -> dict[
             thinking_on += sample.thinking
         samples.append(sample)
         if len(samples) >= BATCH:
-            prompt_tokens += _count(samples, settings)
+            prompt_tokens += _count(samples, settings, problems)
             samples = []
-    prompt_tokens += _count(samples, settings)
+    prompt_tokens += _count(samples, settings, problems)
     conversations = len(turns)
     report: dict[str, Any] = {
         "kind": "dataset",
@@ -135,10 +135,18 @@ def _sample(item: ConversationRecord, settings: AuditSettings, problems: Problem
         return None
 
 
-def _count(samples: list[Sample], settings: AuditSettings) -> list[int]:
+def _count(samples: list[Sample], settings: AuditSettings, problems: ProblemLog) -> list[int]:
+    """Prompt tokens of the samples the chat template renders; the ones it refuses are bad records."""
     if settings.formatter is None or not samples:
         return []
-    return count_prompt_tokens(settings.formatter, samples)
+    counts = []
+    for sample, tokens in zip(samples, count_prompt_tokens(settings.formatter, samples)):
+        if isinstance(tokens, Refused):
+            file, line, unit = source_position(sample.source)
+            problems.add(BadRecord(file, line, f"chat template refused the conversation: {tokens.reason}", unit=unit))
+        else:
+            counts.append(tokens)
+    return counts
 
 
 class _Responses:

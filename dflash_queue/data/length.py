@@ -4,6 +4,10 @@ A prompt is skipped when its templated token count plus the generation budget ex
 every assistant turn is regenerated, the conversation's other turns plus one generation budget must fit.
 Counting is batched: one template call and one fast-tokenizer call per batch of samples. The fast tokenizer
 releases the GIL, so batches are tokenized on a second thread while the next batch is read and rendered.
+
+A conversation the chat template refuses (its `raise_exception`: roles that do not alternate, a system turn
+the model has no place for) is a bad record naming its file and line, as the generate lane would have found;
+the rest of its batch is counted one by one.
 """
 
 from __future__ import annotations
@@ -11,18 +15,37 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
 
 from dflash_queue.data.problems import BadRecord
 from dflash_queue.data.samples import Message, Sample
 
 BATCH = 1024
+# The kind (BadRecord.kind) of a prompt skipped for its length; other bad records are the template's refusals.
+TOO_LONG = "prompt too long"
 
 
 @dataclass(frozen=True)
 class Counted:
     sample: Sample
     prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The chat template raised on this conversation."""
+
+    reason: str
+
+
+@dataclass
+class Rendered:
+    # (positions, templated texts) per thinking setting and tools: the template takes them per call.
+    groups: list[tuple[list[int], list[str]]]
+    size: int
+    refused: dict[int, Refused] = field(default_factory=dict)
 
 
 def counted_messages(sample: Sample) -> tuple[Message, ...]:
@@ -40,13 +63,13 @@ class LengthFilter:
         self.limit = max_model_len - budget
         self.batch = batch
 
-    def count(self, samples: list[Sample]) -> list[int]:
+    def count(self, samples: list[Sample]) -> list[int | Refused]:
         """Templated prompt tokens of each sample (with its own thinking setting)."""
         return count_prompt_tokens(self.formatter, samples)
 
     def filter(self, samples: Iterable[Sample]) -> Iterator[Counted | BadRecord]:
         """Samples that fit, with their token counts, in order; a `BadRecord` for each one that does not."""
-        in_flight: deque[tuple[list[Sample], Future[list[int]]]] = deque()
+        in_flight: deque[tuple[list[Sample], Future[list[int | Refused]]]] = deque()
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dfq-count") as pool:
             for batch in _batches(samples, self.batch):
                 rendered = _render(self.formatter, batch)
@@ -56,43 +79,61 @@ class LengthFilter:
             while in_flight:
                 yield from self._judge(*in_flight.popleft())
 
-    def _judge(self, samples: list[Sample], counted: Future[list[int]]) -> Iterator[Counted | BadRecord]:
+    def _judge(self, samples: list[Sample], counted: Future[list[int | Refused]]) -> Iterator[Counted | BadRecord]:
         for sample, tokens in zip(samples, counted.result()):
-            if tokens <= self.limit:
+            if isinstance(tokens, Refused):
+                file, line, unit = source_position(sample.source)
+                yield BadRecord(file, line, f"chat template refused the conversation: {tokens.reason}", unit=unit)
+            elif tokens <= self.limit:
                 yield Counted(sample, tokens)
             else:
                 file, line, unit = source_position(sample.source)
                 yield BadRecord(
                     file,
                     line,
-                    f"prompt too long: {tokens} tokens leave {self.max_model_len - tokens} < {self.budget} "
+                    f"{TOO_LONG}: {tokens} tokens leave {self.max_model_len - tokens} < {self.budget} "
                     f"for generation inside max_model_len {self.max_model_len}",
                     unit=unit,
                 )
 
 
-def count_prompt_tokens(formatter, samples: list[Sample]) -> list[int]:
-    """Templated prompt tokens of each sample, with its own thinking setting, in two batched calls."""
+def count_prompt_tokens(formatter, samples: list[Sample]) -> list[int | Refused]:
+    """Templated prompt tokens of each sample, with its own thinking setting, in two batched calls; `Refused`
+    where the template raised."""
     return _tokenize(formatter, _render(formatter, samples))
 
 
-def _render(formatter, samples: list[Sample]) -> list[tuple[list[int], list[str]]]:
-    """(positions, templated texts) per thinking setting and tools: the template takes them per call."""
+def _render(formatter, samples: list[Sample]) -> Rendered:
     picks: dict[tuple[bool, str | None], list[int]] = {}
     for index, sample in enumerate(samples):
         picks.setdefault((sample.thinking, sample.tools), []).append(index)
-    groups = []
+    rendered = Rendered([], len(samples))
     for (thinking, tools), picked in picks.items():
         messages = [counted_messages(samples[i]) for i in picked]
-        groups.append((picked, formatter.render_batch(messages, enable_thinking=thinking, tools=tools)))
-    return groups
+        try:
+            rendered.groups.append((picked, formatter.render_batch(messages, enable_thinking=thinking, tools=tools)))
+            continue
+        except TemplateError:
+            pass
+        kept, texts = [], []
+        for index, conversation in zip(picked, messages):
+            try:
+                texts.append(formatter.render(conversation, enable_thinking=thinking, tools=tools))
+            except TemplateError as exc:
+                rendered.refused[index] = Refused(str(exc) or type(exc).__name__)
+            else:
+                kept.append(index)
+        rendered.groups.append((kept, texts))
+    return rendered
 
 
-def _tokenize(formatter, groups: list[tuple[list[int], list[str]]]) -> list[int]:
-    counts = [0] * sum(len(picked) for picked, _ in groups)
-    for picked, texts in groups:
+def _tokenize(formatter, rendered: Rendered) -> list[int | Refused]:
+    counts: list[int | Refused] = [0] * rendered.size
+    for picked, texts in rendered.groups:
         for index, tokens in zip(picked, formatter.count_tokens(texts)):
             counts[index] = tokens
+    for index, refusal in rendered.refused.items():
+        counts[index] = refusal
     return counts
 
 

@@ -79,6 +79,26 @@ def test_clean_dataset_passes_with_token_counts_from_the_config(tmp_path, make_c
     assert part["thinking"]["policy"] == "auto" and sum(part["thinking"]["rules"].values()) == 300
 
 
+def test_conversations_the_chat_template_refuses_are_bad_records(tmp_path, make_config, tiny_model_with_template):
+    from dfq_testing.templates import ALTERNATING_TEMPLATE
+
+    model = tiny_model_with_template(ALTERNATING_TEMPLATE)
+    config = make_config(model={"path": str(model)}, dataset={"max_model_len": 4096})
+    rows = dataset_rows(20, 0.0)
+    rows[3]["conversations"].insert(0, {"from": "human", "value": "Hello?"})
+    path = tmp_path / "roles.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = audit(str(path), "-c", config.source, "--json")
+    assert result.returncode == 0, result.stderr
+    [part] = json.loads(result.stdout)["parts"]
+    assert part["bad_record_kinds"] == {"chat template refused the conversation": 1}
+    assert part["bad_record_examples"] == [
+        f"{path}:4: chat template refused the conversation: Conversation roles must alternate "
+        "user/assistant/user/assistant/..."
+    ]
+    assert part["prompt_tokens"]["count"] == 19
+
+
 def test_a_small_share_passes_and_the_threshold_is_honoured(tmp_path):
     path = tmp_path / "mostly.json"
     path.write_text(json.dumps(dataset_rows(200, 0.03)))

@@ -46,3 +46,19 @@ def test_source_positions():
     assert source_position("/x/d.jsonl:12") == ("/x/d.jsonl", 12, "line")
     assert source_position("/x/d.parquet#0") == ("/x/d.parquet", 0, "row")
     assert source_position("weird") == ("weird", 0, "line")
+
+
+def test_conversations_the_template_refuses_are_bad_records_and_the_rest_is_counted(tiny_model_with_template):
+    from dfq_testing.templates import ALTERNATING_TEMPLATE
+
+    formatter = ChatFormatter(AutoTokenizer.from_pretrained(tiny_model_with_template(ALTERNATING_TEMPLATE)))
+    fine = [make("first", source="d.jsonl:1"), make("second", thinking=False, source="d.jsonl:4")]
+    twice = (Message("user", "one"), Message("user", "two"))
+    refused = Sample(sample_id(twice), twice, "d.jsonl:2")
+    out = list(LengthFilter(formatter, max_model_len=4096, budget=16).filter([fine[0], refused, fine[1]]))
+    assert [type(o).__name__ for o in out] == ["Counted", "BadRecord", "Counted"]
+    assert [o.prompt_tokens for o in (out[0], out[2])] == [
+        len(formatter.prompt_ids(s.messages, enable_thinking=s.thinking)) for s in fine
+    ]
+    assert str(out[1]) == ("d.jsonl:2: chat template refused the conversation: Conversation roles must alternate "
+                           "user/assistant/user/assistant/...")
