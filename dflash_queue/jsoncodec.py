@@ -48,7 +48,7 @@ def standard_library() -> Iterator[None]:
         _fast = previous
 
 
-def loads(data: bytes | str) -> Any:
+def loads(data: bytes | memoryview | str) -> Any:
     """One JSON document. Bytes must be UTF-8: `UnicodeDecodeError` otherwise, `json.JSONDecodeError` for bad JSON."""
     if _fast:
         try:
@@ -63,7 +63,7 @@ def loads(data: bytes | str) -> Any:
     return json.loads(data)
 
 
-def _as_json_reads(data: bytes | str, value: Any) -> bool:
+def _as_json_reads(data: bytes | memoryview | str, value: Any) -> bool:
     """Whether orjson's `value` of `data` is what `json` reads: no integer past 64 bits became a float."""
     if len(data) > _WALK_ABOVE and not _holds_float(value):
         return True
@@ -90,7 +90,7 @@ def _holds_float(value: Any) -> bool:
 _SCALARS = {int, str, bool, type(None)}
 
 
-def _long_digit_run(data: bytes | str) -> bool:
+def _long_digit_run(data: bytes | memoryview | str) -> bool:
     """Whether 19 digits stand in a row: orjson reads an integer past 64 bits as a float, `json` exactly."""
     if isinstance(data, str):
         return _LONG_RUN_TEXT.search(data) is not None
