@@ -111,7 +111,7 @@ class Config(Section):
         compares to say how two configurations differ."""
         return {
             "model": {"name": self.model.display_name, "config": _model_config_digest(self.model.path)},
-            "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes"}),
+            "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes", "staging_processes"}),
             "sampling": self.generate.sampling.model_dump(mode="json"),
             "quality": self.quality.model_dump(mode="json"),
             "extract": {

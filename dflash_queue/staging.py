@@ -5,16 +5,23 @@ and sends them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from dflash_queue.config import Config
 from dflash_queue.data.length import TOO_LONG, LengthFilter
+from dflash_queue.data.preparation import Preparation, prepared_chunks
 from dflash_queue.data.problems import BadRecord, ProblemLog
-from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.data.thinking import apply_thinking_policy
+
+# Automatic staging processes (`staging_processes`): input files this large (compressed or not), on this many
+# cores, are prepared by a pool of processes.
+AUTO_MIN_BYTES = 64 * 1024 * 1024
+AUTO_MIN_CORES = 4
+AUTO_MAX_PROCESSES = 32
 
 
 @dataclass
@@ -85,43 +92,67 @@ class EnqueueReport:
 
 
 def iter_samples(
-    config: Config, paths: Iterable[str | Path], report: EnqueueReport, length_filter: LengthFilter | None = None
+    config: Config,
+    paths: Iterable[str | Path],
+    report: EnqueueReport,
+    length_filter: LengthFilter | None = None,
+    *,
+    processes: int | None = None,
 ) -> Iterator[Sample]:
-    """Valid, de-duplicated samples with their thinking decision that fit the context; everything else counted."""
+    """Valid, de-duplicated samples with their thinking decision that fit the context; everything else counted.
+    `processes`: how many processes prepare the records (default: `staging_processes`)."""
+    paths = list(paths)
+    preparation = Preparation(
+        config.dataset.thinking,
+        config.dataset.regenerate,
+        partial(load_formatter, config.model.tokenizer_path) if length_filter is not None else None,
+    )
+    chunks = prepared_chunks(
+        paths,
+        preparation,
+        max_record_bytes=config.dataset.max_record_bytes,
+        formatter=length_filter.formatter if length_filter is not None else None,
+        processes=staging_processes(config, paths) if processes is None else processes,
+    )
     seen: set[str] = set()
-
-    def distinct() -> Iterator[Sample]:
-        for item in read_dataset(
-            paths, max_record_bytes=config.dataset.max_record_bytes, regenerate=config.dataset.regenerate
-        ):
+    for items, counts in chunks:
+        for item, tokens in zip(items, counts):
             if isinstance(item, BadRecord):
                 report.problems.add(item)
-            elif item.id in seen:
+                continue
+            if item.id in seen:
                 report.duplicates += 1
-            else:
-                seen.add(item.id)
-                report.samples += 1
-                yield apply_thinking_policy(item, config.dataset.thinking)
-
-    if length_filter is None:
-        for sample in distinct():
+                continue
+            seen.add(item.id)
+            report.samples += 1
+            if length_filter is not None:
+                assert tokens is not None
+                judged = length_filter.judge(item, tokens)
+                if isinstance(judged, BadRecord):
+                    if judged.kind == TOO_LONG:
+                        report.too_long.add(judged)
+                    else:
+                        report.refused += 1
+                        report.problems.add(judged)
+                    continue
+                report.prompt_tokens += judged.prompt_tokens
+                report.max_prompt_tokens = max(report.max_prompt_tokens, judged.prompt_tokens)
             report.staged += 1
-            report.thinking_on += sample.thinking
-            yield sample
-        return
-    for item in length_filter.filter(distinct()):
-        if isinstance(item, BadRecord):
-            if item.kind == TOO_LONG:
-                report.too_long.add(item)
-            else:
-                report.refused += 1
-                report.problems.add(item)
-            continue
-        report.staged += 1
-        report.thinking_on += item.sample.thinking
-        report.prompt_tokens += item.prompt_tokens
-        report.max_prompt_tokens = max(report.max_prompt_tokens, item.prompt_tokens)
-        yield item.sample
+            report.thinking_on += item.thinking
+            yield item
+
+
+def staging_processes(config: Config, paths: Iterable[str | Path], cores: int | None = None) -> int:
+    """`dataset.staging_processes`, or when 0: one per core but one (at most AUTO_MAX_PROCESSES) on machines of
+    AUTO_MIN_CORES or more for input files of AUTO_MIN_BYTES or more, else 1. Starting the processes costs
+    seconds, and on fewer cores one process that tokenizes on a second thread is as fast."""
+    if config.dataset.staging_processes:
+        return config.dataset.staging_processes
+    cores = cores or os.cpu_count() or 1
+    size = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
+    if cores < AUTO_MIN_CORES or size < AUTO_MIN_BYTES:
+        return 1
+    return min(cores - 1, AUTO_MAX_PROCESSES)
 
 
 def batched(items: Iterable, size: int) -> Iterator[list]:
@@ -152,13 +183,18 @@ def growing_batches(items: Iterable, largest: int) -> Iterator[list]:
 def checked_formatter(config: Config):
     """The target's chat template, refused (ConfigError, the message `doctor` gives) when it cannot do what
     `dataset.thinking` asks: checked before anything is staged or sent."""
+    formatter = load_formatter(config.model.tokenizer_path)
+    formatter.require_thinking_policy(config.dataset.thinking, config.source)
+    return formatter
+
+
+def load_formatter(tokenizer_path: str):
+    """The chat formatter of a tokenizer (and its chat template)."""
     from transformers import AutoTokenizer
 
     from dflash_queue.engines.chat import ChatFormatter
 
-    formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
-    formatter.require_thinking_policy(config.dataset.thinking, config.source)
-    return formatter
+    return ChatFormatter(AutoTokenizer.from_pretrained(tokenizer_path))
 
 
 def build_length_filter(config: Config, formatter=None) -> LengthFilter | None:

@@ -5,12 +5,16 @@ The producer does everything a real run does: read and parse, stable ids, exact-
 policy, prompt-token counting with the target's tokenizer and chat template (length filter), prompt shard
 writing to local storage, and one Celery message per shard. Side by side in the same run it times the read
 and parse alone (no counting, no shards, no Redis) so the ratio shows what staging adds on top of reading.
-Both are timed twice over the same file: with every JSON line through the standard library
-(`jsoncodec.standard_library()`) and through orjson; each staging run has its own ledger, so the second
-stages every shard again, and an untimed run over the first 4,096 lines warms up what a first run pays once. Prints prompts/s and Redis's peak memory (INFO memory used_memory_peak). Targets:
-1,000,000 prompts in under 3 minutes, Redis under 50 MB.
+Staging runs three times over the same file, each with a ledger of its own (so every run stages every shard
+again): with every JSON line through the standard library (`jsoncodec.standard_library()`) and through orjson,
+both in one process (`dataset.staging_processes = 1`), and through orjson with a pool of `--processes`
+processes preparing the records. An untimed run over the first 4,096 lines warms up what a first run pays
+once. Prints prompts/s, the producer process's CPU per prompt (with a pool, what bounds staging once there are
+enough cores for the pool) and Redis's peak memory (INFO memory used_memory_peak). Targets: 1,000,000 prompts
+in under 30 s, Redis under 50 MB.
 
-    .venv/bin/python tools/bench_staging.py [--prompts 1000000] [--model .cache/tiny-qwen3] [--tokenizer PATH]
+    .venv/bin/python tools/bench_staging.py [--prompts 1000000] [--processes N] [--model .cache/tiny-qwen3]
+        [--tokenizer PATH]
 """
 
 from __future__ import annotations
@@ -68,17 +72,18 @@ def make_dataset(path: Path, prompts: int, seed: int = 0) -> None:
             handle.write(json.dumps({"id": f"s{index}", "conversations": turns}) + "\n")
 
 
-def stage(config, url: str, dataset: Path, codec: str) -> dict:
-    """Read alone, then the whole producer into a ledger of its own; wall and CPU seconds."""
+def stage(config, url: str, dataset: Path, name: str, *, read_alone: bool = True) -> dict:
+    """Read alone (in this process), then the whole producer into a ledger of its own; wall and CPU seconds."""
     started = time.perf_counter()
     read_report = EnqueueReport()
-    for _ in iter_samples(config, [dataset], read_report):
-        pass
+    if read_alone:
+        for _ in iter_samples(config, [dataset], read_report, processes=1):
+            pass
     read_s = time.perf_counter() - started
 
     started = time.perf_counter()
     cpu, main_cpu = time.process_time(), time.thread_time()
-    ledger = Ledger.from_url(url, f"{config.run.name}-{codec.replace(' ', '-')}")
+    ledger = Ledger.from_url(url, f"{config.run.name}-{name.replace(' ', '-').replace(',', '')}")
     report = Producer(config, ledger).enqueue([dataset])
     return {
         "read_s": read_s, "read_samples": read_report.samples, "report": report,
@@ -91,6 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=1_000_000)
     parser.add_argument("--shard-size", type=int, default=256)
+    parser.add_argument("--processes", type=int, default=max(2, (os.cpu_count() or 2) - 1),
+                        help="Pool processes of the third run (default: one per core but one, at least 2).")
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3")
     parser.add_argument("--tokenizer", type=Path, default=None, help="Count with this tokenizer instead.")
     parser.add_argument("--dataset", type=Path, default=None, help="Reuse (or create) the synthetic file here.")
@@ -109,10 +116,12 @@ def main() -> None:
         with RedisServer(tmp / "redis") as server:
             tables = tiny_config_tables(model, tmp / "storage", server.url, tmp / "state")
             overrides = {"dataset": {"shard_size": args.shard_size, "thinking": "auto", "max_model_len": 4096,
-                                     "generation_budget": 1024}}
+                                     "generation_budget": 1024, "staging_processes": 1}}
             if args.tokenizer:
                 overrides["model"] = {"tokenizer": str(args.tokenizer.resolve())}
             config = load_config(write_config(tmp / "bench.toml", tables, **overrides))
+            overrides["dataset"] = {**overrides["dataset"], "staging_processes": args.processes}
+            pooled = load_config(write_config(tmp / "pooled.toml", tables, **overrides))
             configure_app(config)
             client = redis.Redis.from_url(server.url)
 
@@ -125,6 +134,8 @@ def main() -> None:
             for codec in ("standard library", "orjson"):
                 with jsoncodec.standard_library() if codec == "standard library" else nullcontext():
                     results[codec] = stage(config, server.url, dataset, codec)
+            pool_name = f"orjson, {args.processes} processes"
+            results[pool_name] = stage(pooled, server.url, dataset, pool_name, read_alone=False)
             memory = client.info("memory")
             queued = client.llen(GENERATE.queue)
             load = os.getloadavg()
@@ -133,17 +144,23 @@ def main() -> None:
     print(f"prompts: {report.samples + report.duplicates} read, {report.duplicates} duplicates, "
           f"{report.too_long.total} too long, {report.staged} staged (thinking on for {report.thinking_on}), "
           f"{report.prompt_tokens} prompt tokens counted")
-    print(f"shards: {report.shards} written per run, {queued} messages queued by both runs")
-    for codec, result in results.items():
-        read_s, staging_s = result["read_s"], result["staging_s"]
-        print(f"JSON through {codec}:")
-        print(f"  read + parse + dedupe only: {read_s:.1f} s ({result['read_samples'] / read_s:,.0f} prompts/s)")
+    print(f"shards: {report.shards} written per run, {queued} messages queued by the three runs")
+    for name, result in results.items():
+        staging_s = result["staging_s"]
+        print(f"JSON through {name}:")
+        if result["read_samples"]:
+            read_s = result["read_s"]
+            print(f"  read + parse + dedupe only: {read_s:.1f} s ({result['read_samples'] / read_s:,.0f} prompts/s)")
         print(f"  full staging:               {staging_s:.1f} s ({report.samples / staging_s:,.0f} prompts/s, "
-              f"{result['cpu']:.1f} s CPU in this process, {result['main_cpu']:.1f} s of it on the main thread)")
-        print(f"  staging_time / read_time = {staging_s / read_s:.2f}; staging time / 180 s target = {staging_s / 180:.2f}")
-    old, new = results["standard library"], results["orjson"]
+              f"{result['cpu']:.1f} s CPU in the producer's process ({result['cpu'] / report.samples * 1e6:.1f} us "
+              f"per prompt), {result['main_cpu']:.1f} s of it on the main thread)")
+        print(f"  staging time / 30 s target = {staging_s / 30:.2f}")
+    old, new, pool = results["standard library"], results["orjson"], results[pool_name]
     print(f"standard library / orjson: read {old['read_s'] / new['read_s']:.2f}x, "
-          f"staging {old['staging_s'] / new['staging_s']:.2f}x")
+          f"staging {old['staging_s'] / new['staging_s']:.2f}x; "
+          f"one process / {args.processes} processes: staging {new['staging_s'] / pool['staging_s']:.2f}x")
+    print(f"with the pool, the producer's process needs {pool['cpu'] / report.samples * 1e6:.1f} us of CPU per prompt: "
+          f"at most {report.samples / pool['cpu']:,.0f} prompts/s however many cores prepare them")
     print(f"redis used_memory_peak: {memory['used_memory_peak'] / 1e6:.1f} MB (target < 50 MB); "
           f"used now {memory['used_memory'] / 1e6:.1f} MB")
     print(f"load average during the run (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores")

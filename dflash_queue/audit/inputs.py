@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_queue.audit.stats import brief, counts_of, describe, share
-from dflash_queue.data.length import LengthFilter, Refused, count_prompt_tokens, source_position
+from dflash_queue.data.length import LengthFilter, Refused, count_prompt_tokens
 from dflash_queue.data.problems import BadRecord, ProblemLog
 from dflash_queue.data.readers import ConversationRecord, read_conversations
 from dflash_queue.data.samples import Sample
@@ -142,8 +142,7 @@ def _count(samples: list[Sample], settings: AuditSettings, problems: ProblemLog)
     counts = []
     for sample, tokens in zip(samples, count_prompt_tokens(settings.formatter, samples)):
         if isinstance(tokens, Refused):
-            file, line, unit = source_position(sample.source)
-            problems.add(BadRecord(file, line, f"chat template refused the conversation: {tokens.reason}", unit=unit))
+            problems.add(tokens.record(sample))
         else:
             counts.append(tokens)
     return counts

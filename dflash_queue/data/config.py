@@ -24,6 +24,10 @@ class DatasetConfig(Section):
     reasoning stripped where the template strips it), one training sequence per turn where a reply is not in the
     final prompt as generated. "as-generated": the exact ids generated so far plus the template's continuation
     (earlier reasoning kept), one sequence."""
+    staging_processes: Annotated[int, Field(ge=0)] = 0
+    """Processes that parse the records and count their prompt tokens at staging time (1: the producer's own
+    process, tokenizing on a second thread). 0: on 4 cores or more, one per core but one when the dataset
+    files hold 64 MiB or more; else 1."""
     max_record_bytes: PositiveInt = 4 * 1024 * 1024
     """A record (JSONL line, array element, Parquet row) larger than this is reported and skipped."""
     length_filter: bool = True

@@ -1,7 +1,8 @@
 """Dataset container formats: JSONL (plain, gzip, zstd), JSON arrays, Parquet -> raw records.
 
 This layer knows files, not conversations: it yields one `RawRecord` (the decoded JSON value of one record)
-or one `BadRecord` per record, and never raises on content. Where the file itself cannot be read further
+or one `BadRecord` per record, and never raises on content. `read_raw_records` leaves JSON lines undecoded
+(`RawLine`, decoded by `decode_line`), so that staging can parse them in other processes. Where the file itself cannot be read further
 (corrupt compressed stream, broken Parquet footer, JSON array syntax error), the bad record says so and the
 rest of that file is skipped; other files go on.
 
@@ -46,6 +47,15 @@ class RawRecord:
 
 
 @dataclass(frozen=True)
+class RawLine:
+    """One line of a JSON-lines file, not yet decoded."""
+
+    file: str
+    line: int
+    raw: bytes
+
+
+@dataclass(frozen=True)
 class FileFormat:
     container: Container
     compression: Compression
@@ -77,6 +87,17 @@ def detect_format(path: Path) -> FileFormat:
 
 def read_records(path: str | Path, *, max_record_bytes: int) -> Iterator[RawRecord | BadRecord]:
     """Every record of one file, in file order."""
+    for item in read_raw_records(path, max_record_bytes=max_record_bytes):
+        if isinstance(item, RawLine):
+            decoded = decode_line(item)
+            if decoded is not None:
+                yield decoded
+        else:
+            yield item
+
+
+def read_raw_records(path: str | Path, *, max_record_bytes: int) -> Iterator[RawLine | RawRecord | BadRecord]:
+    """Every record of one file, in file order, JSON lines undecoded."""
     path = Path(path)
     name = str(path)
     try:
@@ -175,7 +196,7 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _read_jsonl(path: Path, compression: Compression, *, max_record_bytes: int) -> Iterator[RawRecord | BadRecord]:
+def _read_jsonl(path: Path, compression: Compression, *, max_record_bytes: int) -> Iterator[RawLine | BadRecord]:
     name = str(path)
     line_no = 0
     try:
@@ -184,9 +205,7 @@ def _read_jsonl(path: Path, compression: Compression, *, max_record_bytes: int) 
                 if too_large:
                     yield BadRecord(name, line_no, f"record too large: {raw} bytes > {max_record_bytes}")
                     continue
-                item = _decode_line(name, line_no, raw)
-                if item is not None:
-                    yield item
+                yield RawLine(name, line_no, raw)
     except _stream_errors() as exc:
         what = "corrupt compressed data" if compression != "none" else "read error"
         yield BadRecord(name, line_no + 1, f"{what}: {_describe(exc)}; the rest of the file is skipped")
@@ -216,7 +235,9 @@ def _bounded_lines(stream: IO[bytes], limit: int) -> Iterator[tuple[int, Any, bo
         yield line_no, raw, False
 
 
-def _decode_line(name: str, line_no: int, raw: bytes) -> RawRecord | BadRecord | None:
+def decode_line(item: RawLine) -> RawRecord | BadRecord | None:
+    """The record of a line, a bad record for a line that is no JSON, None for a blank line."""
+    name, line_no, raw = item.file, item.line, item.raw
     if not raw.strip():
         return None
     try:

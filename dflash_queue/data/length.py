@@ -2,8 +2,8 @@
 
 A prompt is skipped when its templated token count plus the generation budget exceeds max_model_len. When
 every assistant turn is regenerated, the conversation's other turns plus one generation budget must fit.
-Counting is batched: one template call and one fast-tokenizer call per batch of samples. The fast tokenizer
-releases the GIL, so batches are tokenized on a second thread while the next batch is read and rendered.
+Counting is batched: one template call and one fast-tokenizer call per batch of samples (dflash_queue.data.
+preparation runs the batches, in this process or in several).
 
 A conversation the chat template refuses (its `raise_exception`: roles that do not alternate, a system turn
 the model has no place for) is a bad record naming its file and line, as the generate lane would have found;
@@ -12,9 +12,6 @@ the rest of its batch is counted one by one.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
@@ -22,7 +19,6 @@ from jinja2 import TemplateError
 from dflash_queue.data.problems import BadRecord
 from dflash_queue.data.samples import Message, Sample
 
-BATCH = 1024
 # The kind (BadRecord.kind) of a prompt skipped for its length; other bad records are the template's refusals.
 TOO_LONG = "prompt too long"
 
@@ -38,6 +34,10 @@ class Refused:
     """The chat template raised on this conversation."""
 
     reason: str
+
+    def record(self, sample: Sample) -> BadRecord:
+        file, line, unit = source_position(sample.source)
+        return BadRecord(file, line, f"chat template refused the conversation: {self.reason}", unit=unit)
 
 
 @dataclass
@@ -56,54 +56,40 @@ def counted_messages(sample: Sample) -> tuple[Message, ...]:
 
 
 class LengthFilter:
-    def __init__(self, formatter, *, max_model_len: int, budget: int, batch: int = BATCH) -> None:
+    def __init__(self, formatter, *, max_model_len: int, budget: int) -> None:
         self.formatter = formatter
         self.max_model_len = max_model_len
         self.budget = budget
         self.limit = max_model_len - budget
-        self.batch = batch
 
     def count(self, samples: list[Sample]) -> list[int | Refused]:
         """Templated prompt tokens of each sample (with its own thinking setting)."""
         return count_prompt_tokens(self.formatter, samples)
 
-    def filter(self, samples: Iterable[Sample]) -> Iterator[Counted | BadRecord]:
-        """Samples that fit, with their token counts, in order; a `BadRecord` for each one that does not."""
-        in_flight: deque[tuple[list[Sample], Future[list[int | Refused]]]] = deque()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dfq-count") as pool:
-            for batch in _batches(samples, self.batch):
-                rendered = _render(self.formatter, batch)
-                in_flight.append((batch, pool.submit(_tokenize, self.formatter, rendered)))
-                if len(in_flight) > 2:
-                    yield from self._judge(*in_flight.popleft())
-            while in_flight:
-                yield from self._judge(*in_flight.popleft())
-
-    def _judge(self, samples: list[Sample], counted: Future[list[int | Refused]]) -> Iterator[Counted | BadRecord]:
-        for sample, tokens in zip(samples, counted.result()):
-            if isinstance(tokens, Refused):
-                file, line, unit = source_position(sample.source)
-                yield BadRecord(file, line, f"chat template refused the conversation: {tokens.reason}", unit=unit)
-            elif tokens <= self.limit:
-                yield Counted(sample, tokens)
-            else:
-                file, line, unit = source_position(sample.source)
-                yield BadRecord(
-                    file,
-                    line,
-                    f"{TOO_LONG}: {tokens} tokens leave {self.max_model_len - tokens} < {self.budget} "
-                    f"for generation inside max_model_len {self.max_model_len}",
-                    unit=unit,
-                )
+    def judge(self, sample: Sample, tokens: int | Refused) -> Counted | BadRecord:
+        """The sample with its count when it fits; a bad record naming its source when it does not, or when the
+        template refused it."""
+        if not isinstance(tokens, Refused) and tokens <= self.limit:
+            return Counted(sample, tokens)
+        if isinstance(tokens, Refused):
+            return tokens.record(sample)
+        file, line, unit = source_position(sample.source)
+        return BadRecord(
+            file,
+            line,
+            f"{TOO_LONG}: {tokens} tokens leave {self.max_model_len - tokens} < {self.budget} "
+            f"for generation inside max_model_len {self.max_model_len}",
+            unit=unit,
+        )
 
 
 def count_prompt_tokens(formatter, samples: list[Sample]) -> list[int | Refused]:
     """Templated prompt tokens of each sample, with its own thinking setting, in two batched calls; `Refused`
     where the template raised."""
-    return _tokenize(formatter, _render(formatter, samples))
+    return count_rendered(formatter, render_prompts(formatter, samples))
 
 
-def _render(formatter, samples: list[Sample]) -> Rendered:
+def render_prompts(formatter, samples: list[Sample]) -> Rendered:
     picks: dict[tuple[bool, str | None], list[int]] = {}
     for index, sample in enumerate(samples):
         picks.setdefault((sample.thinking, sample.tools), []).append(index)
@@ -127,7 +113,7 @@ def _render(formatter, samples: list[Sample]) -> Rendered:
     return rendered
 
 
-def _tokenize(formatter, rendered: Rendered) -> list[int | Refused]:
+def count_rendered(formatter, rendered: Rendered) -> list[int | Refused]:
     counts: list[int | Refused] = [0] * rendered.size
     for picked, texts in rendered.groups:
         for index, tokens in zip(picked, formatter.count_tokens(texts)):
@@ -135,17 +121,6 @@ def _tokenize(formatter, rendered: Rendered) -> list[int | Refused]:
     for index, refusal in rendered.refused.items():
         counts[index] = refusal
     return counts
-
-
-def _batches(samples: Iterable[Sample], size: int) -> Iterator[list[Sample]]:
-    batch: list[Sample] = []
-    for sample in samples:
-        batch.append(sample)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def source_position(source: str) -> tuple[str, int, str]:

@@ -38,29 +38,36 @@ def read_conversations(paths: Iterable[str | Path], *, max_record_bytes: int) ->
     """Normalised conversations and bad records from the files, in file order."""
     for path in paths:
         for item in read_records(path, max_record_bytes=max_record_bytes):
-            if isinstance(item, BadRecord):
-                yield item
-                continue
-            try:
-                yield ConversationRecord(parse_record(item.data), item.file, item.line, item.unit)
-            except RecordError as exc:
-                yield _bad(item, exc)
-            except RecursionError:
-                yield BadRecord(item.file, item.line, "record nested too deeply", unit=item.unit)
+            yield item if isinstance(item, BadRecord) else conversation_of(item)
 
 
 def read_dataset(
     paths: Iterable[str | Path], *, max_record_bytes: int, regenerate: Regenerate = "last"
 ) -> Iterator[Sample | BadRecord]:
     """Samples and bad records from the files, in file order."""
-    for item in read_conversations(paths, max_record_bytes=max_record_bytes):
-        if isinstance(item, BadRecord):
-            yield item
-            continue
-        try:
-            yield to_sample(item.conversation, source=item.source, regenerate=regenerate)
-        except RecordError as exc:
-            yield BadRecord(item.file, item.line, exc.reason, exc.key, unit=item.unit)
+    for path in paths:
+        for item in read_records(path, max_record_bytes=max_record_bytes):
+            yield item if isinstance(item, BadRecord) else sample_of(item, regenerate)
+
+
+def conversation_of(item: RawRecord) -> ConversationRecord | BadRecord:
+    try:
+        return ConversationRecord(parse_record(item.data), item.file, item.line, item.unit)
+    except RecordError as exc:
+        return _bad(item, exc)
+    except RecursionError:
+        return BadRecord(item.file, item.line, "record nested too deeply", unit=item.unit)
+
+
+def sample_of(item: RawRecord, regenerate: Regenerate = "last") -> Sample | BadRecord:
+    """The sample of one record, or the bad record that says why there is none."""
+    record = conversation_of(item)
+    if isinstance(record, BadRecord):
+        return record
+    try:
+        return to_sample(record.conversation, source=record.source, regenerate=regenerate)
+    except RecordError as exc:
+        return _bad(item, exc)
 
 
 def _bad(item: RawRecord, exc: RecordError) -> BadRecord:

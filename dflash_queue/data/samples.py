@@ -24,6 +24,10 @@ class Message:
     # An assistant turn's tool calls as canonical JSON text (hashable); rendered by the chat template.
     tool_calls: str | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Positional arguments pickle in a third of the time of a dataclass's __dict__ (staging processes).
+        return Message, (self.role, self.content, self.reasoning, self.tool_calls)
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.reasoning is not None:
@@ -69,6 +73,9 @@ class Sample:
     reference: str | None = field(default=None, compare=False)
     # Tool schemas (canonical JSON list) the chat template renders into the prompt; None without tools.
     tools: str | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Sample, (self.id, self.messages, self.source, self.thinking, self.regenerate, self.reference, self.tools)
 
     def tool_list(self) -> list[Any] | None:
         return jsoncodec.loads(self.tools) if self.tools is not None else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_queue.data.length import LengthFilter, source_position
+from dflash_queue.data.length import Counted, LengthFilter, source_position
 from dflash_queue.data.problems import BadRecord
 from dflash_queue.data.samples import SLOT, Message, Sample, sample_id
 from dflash_queue.engines.chat import ChatFormatter
@@ -33,13 +33,14 @@ def test_counts_are_the_templated_prompt_ids(formatter):
 def test_prompts_that_leave_too_little_room_are_skipped_with_a_reason(formatter):
     short, long = make("hi", source="a.jsonl:3"), make("word " * 400, source="b.parquet#7")
     tokens = len(formatter.prompt_ids(long.messages, enable_thinking=True))
-    limit = LengthFilter(formatter, max_model_len=tokens + 99, budget=100, batch=1)
-    out = list(limit.filter([short, long, short]))
+    limit = LengthFilter(formatter, max_model_len=tokens + 99, budget=100)
+    out = [limit.judge(s, t) for s, t in zip([short, long, short], limit.count([short, long, short]))]
     assert [type(o).__name__ for o in out] == ["Counted", "BadRecord", "Counted"]
     bad: BadRecord = out[1]
     assert (bad.file, bad.line, bad.unit) == ("b.parquet", 7, "row")
     assert bad.reason == f"prompt too long: {tokens} tokens leave 99 < 100 for generation inside max_model_len {tokens + 99}"
-    assert [o.sample.id for o in LengthFilter(formatter, max_model_len=tokens + 100, budget=100).filter([long])] == [long.id]
+    roomier = LengthFilter(formatter, max_model_len=tokens + 100, budget=100)
+    assert roomier.judge(long, tokens) == Counted(long, tokens)
 
 
 def test_source_positions():
@@ -55,7 +56,9 @@ def test_conversations_the_template_refuses_are_bad_records_and_the_rest_is_coun
     fine = [make("first", source="d.jsonl:1"), make("second", thinking=False, source="d.jsonl:4")]
     twice = (Message("user", "one"), Message("user", "two"))
     refused = Sample(sample_id(twice), twice, "d.jsonl:2")
-    out = list(LengthFilter(formatter, max_model_len=4096, budget=16).filter([fine[0], refused, fine[1]]))
+    limit = LengthFilter(formatter, max_model_len=4096, budget=16)
+    batch = [fine[0], refused, fine[1]]
+    out = [limit.judge(s, t) for s, t in zip(batch, limit.count(batch))]
     assert [type(o).__name__ for o in out] == ["Counted", "BadRecord", "Counted"]
     assert [o.prompt_tokens for o in (out[0], out[2])] == [
         len(formatter.prompt_ids(s.messages, enable_thinking=s.thinking)) for s in fine
