@@ -24,6 +24,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import pybase64
+
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.jsonl import dump_jsonl, load_numbered_jsonl
 from dflash_queue.shards.verdicts import Verdict
@@ -201,7 +203,7 @@ def encode_token_ids(ids: list[int]) -> str:
     packed = array(_UINT32, ids)
     if _BIG_ENDIAN:
         packed.byteswap()
-    return binascii.b2a_base64(packed.tobytes(), newline=False).decode("ascii")
+    return pybase64.b64encode(packed.tobytes()).decode("ascii")
 
 
 def token_ids(values: Any) -> list[int]:
@@ -210,7 +212,7 @@ def token_ids(values: Any) -> list[int]:
     not a token id."""
     if type(values) is str:
         try:
-            raw = binascii.a2b_base64(values, strict_mode=True)
+            raw = _b64decode(values)
         except binascii.Error as exc:
             raise ValueError(f"token ids are not base64: {exc}") from None
         if len(raw) % 4:
@@ -223,6 +225,15 @@ def token_ids(values: Any) -> list[int]:
     if type(values) is list and set(map(type, values)) <= _INT:
         return values
     return [int(t) for t in values]
+
+
+def _b64decode(text: str) -> bytes:
+    """Strict base64 (padding required, nothing but the alphabet) through pybase64's SIMD decoder, ~50x the
+    standard library's; what it refuses goes to the standard library, whose error says why."""
+    try:
+        return pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return binascii.a2b_base64(text, strict_mode=True)
 
 
 def _ids_at(row: dict[str, Any], key: str) -> list[int]:

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import binascii
 import json
 from contextlib import nullcontext
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_queue import jsoncodec
 from dflash_queue.errors import ShardFormatError
@@ -74,9 +77,10 @@ def test_ids_outside_uint32_are_refused_when_written():
 @pytest.mark.parametrize(
     ("value", "reason"),
     [
-        ('"AQAAAAIAAA"', "completion_ids: token ids are not base64"),
+        ('"AQAAAAIAAA"', "completion_ids: token ids are not base64: Incorrect padding"),
         ('"AQAAAAIA"', "completion_ids: token ids are 6 bytes of base64, not a whole number of uint32"),
-        ('"AQ*AAAIAAAA="', "completion_ids: token ids are not base64"),
+        ('"AQ*AAAIAAAA="', "completion_ids: token ids are not base64: Only base64 data is allowed"),
+        ('"AQAAAAIAAAA=\\n"', "completion_ids: token ids are not base64: Excess data after padding"),
         ('[1, "x"]', "invalid literal for int"),
     ],
 )
@@ -92,3 +96,31 @@ def test_a_line_that_is_not_an_object_is_a_format_error():
     with pytest.raises(ShardFormatError, match=r"^c:1: completion record \?: "):
         decode_completions(b"[1, 2]\n", what="c")
 
+
+
+# Base64 text as a damaged shard could hold it: the alphabet, padding in any place, whitespace, other characters.
+_DAMAGED = st.text(alphabet=st.sampled_from("AQIg+/9z=\n -_*é"), max_size=24)
+_WELL_FORMED = st.binary(max_size=24).map(lambda b: binascii.b2a_base64(b, newline=False).decode())
+
+
+def _strict_reference(text: str) -> list[int] | str:
+    """The ids as the standard library's strict base64 and little-endian uint32 give them, or why not."""
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)
+    except (binascii.Error, ValueError) as exc:
+        return str(exc)
+    if len(raw) % 4:
+        return "not a whole number of uint32"
+    return [int.from_bytes(raw[i : i + 4], "little") for i in range(0, len(raw), 4)]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.one_of(_DAMAGED, _WELL_FORMED))
+def test_ids_read_exactly_what_strict_base64_reads_and_refuse_the_rest_with_its_reason(text):
+    expected = _strict_reference(text)
+    if isinstance(expected, list):
+        assert token_ids(text) == expected
+    else:
+        with pytest.raises(ValueError) as refused:
+            token_ids(text)
+        assert expected in str(refused.value)
