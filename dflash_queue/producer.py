@@ -33,7 +33,7 @@ from pathlib import Path
 
 from dflash_queue.config import Config
 from dflash_queue.data.length import LengthFilter
-from dflash_queue.data.samples import Sample
+from dflash_queue.data.samples import EncodedSample
 from dflash_queue.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
 from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
 from dflash_queue.shards.keys import prompts_key, stored_shard_ids
@@ -44,7 +44,7 @@ from dflash_queue.staging import (
     build_length_filter,
     checked_formatter,
     growing_batches,
-    iter_samples,
+    iter_encoded,
 )
 from dflash_queue.storage import Storage, open_storage
 
@@ -57,7 +57,7 @@ STORAGE_THREADS = 8
 
 @dataclass
 class _StagedGroup:
-    group: list[list[Sample]]
+    group: list[list[EncodedSample]]
     to_send: list[tuple[str, int]]
     writes: list[Future]
 
@@ -97,7 +97,7 @@ class Producer:
         report = EnqueueReport(rebuild=rebuild)
         report.restarted = self.claim_run(rebuild=rebuild)
         done = stored_shard_ids(self.storage)
-        samples = iter_samples(self.config, paths, report, self.length_filter)
+        samples = iter_encoded(self.config, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
             pending: _StagedGroup | None = None
             for group in growing_batches(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):
@@ -146,7 +146,7 @@ class Producer:
         return restarted
 
     def _stage_group(
-        self, group: list[list[Sample]], done: set[str], report: EnqueueReport, pool: ThreadPoolExecutor
+        self, group: list[list[EncodedSample]], done: set[str], report: EnqueueReport, pool: ThreadPoolExecutor
     ) -> _StagedGroup:
         """Skip what is done or queued; start writing the prompt files of the rest."""
         shard_ids = [prompt_shard_id(shard) for shard in group]

@@ -10,12 +10,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 from dflash_queue.config import Config
 from dflash_queue.data.length import TOO_LONG, LengthFilter
 from dflash_queue.data.preparation import Preparation, prepared_chunks
 from dflash_queue.data.problems import BadRecord, ProblemLog
-from dflash_queue.data.samples import Sample
+from dflash_queue.data.samples import EncodedSample, Sample
 
 # Automatic staging processes (`staging_processes`): input files this large (compressed or not), on this many
 # cores, are prepared by a pool of processes.
@@ -101,11 +102,38 @@ def iter_samples(
 ) -> Iterator[Sample]:
     """Valid, de-duplicated samples with their thinking decision that fit the context; everything else counted.
     `processes`: how many processes prepare the records (default: `staging_processes`)."""
-    paths = list(paths)
+    for item in _admitted(config, list(paths), report, length_filter, processes, encoded=False):
+        yield cast(Sample, item)
+
+
+def iter_encoded(
+    config: Config,
+    paths: Iterable[str | Path],
+    report: EnqueueReport,
+    length_filter: LengthFilter | None = None,
+    *,
+    processes: int | None = None,
+) -> Iterator[EncodedSample]:
+    """What `iter_samples` yields, each sample's prompt-shard record encoded where it was parsed: with a pool,
+    the calling process is left to remove duplicates and count."""
+    for item in _admitted(config, list(paths), report, length_filter, processes, encoded=True):
+        yield cast(EncodedSample, item)
+
+
+def _admitted(
+    config: Config,
+    paths: list[str | Path],
+    report: EnqueueReport,
+    length_filter: LengthFilter | None,
+    processes: int | None,
+    *,
+    encoded: bool,
+) -> Iterator[Sample | EncodedSample]:
     preparation = Preparation(
         config.dataset.thinking,
         config.dataset.regenerate,
         partial(load_formatter, config.model.tokenizer_path) if length_filter is not None else None,
+        encoded=encoded,
     )
     chunks = prepared_chunks(
         paths,

@@ -20,7 +20,7 @@ from dflash_queue.ledger import Ledger
 from dflash_queue.shards.keys import SHARDS, shard_id_of, shard_key
 from dflash_queue.shards.prompts import prompt_shard_id
 from dflash_queue.shards.ranges import open_source, read_layout
-from dflash_queue.staging import EnqueueReport, batched, build_length_filter, iter_samples
+from dflash_queue.staging import EnqueueReport, batched, build_length_filter, iter_encoded
 from dflash_queue.storage import Storage, open_storage
 
 # How many missing or duplicated ids a report lists in full.
@@ -71,7 +71,7 @@ class VerifyReport:
 def expected_shards(config: Config, datasets: Iterable[str | Path], report: VerifyReport) -> dict[str, list[str]]:
     """shard id -> sample ids, exactly as the producer stages them."""
     enqueue = EnqueueReport()
-    samples = iter_samples(config, datasets, enqueue, build_length_filter(config))
+    samples = iter_encoded(config, datasets, enqueue, build_length_filter(config))
     shards = {prompt_shard_id(group): [s.id for s in group] for group in batched(samples, config.dataset.shard_size)}
     report.staged = enqueue.staged
     report.duplicates_in_dataset = enqueue.duplicates

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from jinja2 import TemplateError
 
 from dflash_queue.data.problems import BadRecord
-from dflash_queue.data.samples import Message, Sample
+from dflash_queue.data.samples import EncodedSample, Message, Sample
 
 # The kind (BadRecord.kind) of a prompt skipped for its length; other bad records are the template's refusals.
 TOO_LONG = "prompt too long"
@@ -25,7 +25,7 @@ TOO_LONG = "prompt too long"
 
 @dataclass(frozen=True)
 class Counted:
-    sample: Sample
+    sample: Sample | EncodedSample
     prompt_tokens: int
 
 
@@ -35,7 +35,7 @@ class Refused:
 
     reason: str
 
-    def record(self, sample: Sample) -> BadRecord:
+    def record(self, sample: Sample | EncodedSample) -> BadRecord:
         file, line, unit = source_position(sample.source)
         return BadRecord(file, line, f"chat template refused the conversation: {self.reason}", unit=unit)
 
@@ -66,7 +66,7 @@ class LengthFilter:
         """Templated prompt tokens of each sample (with its own thinking setting)."""
         return count_prompt_tokens(self.formatter, samples)
 
-    def judge(self, sample: Sample, tokens: int | Refused) -> Counted | BadRecord:
+    def judge(self, sample: Sample | EncodedSample, tokens: int | Refused) -> Counted | BadRecord:
         """The sample with its count when it fits; a bad record naming its source when it does not, or when the
         template refused it."""
         if not isinstance(tokens, Refused) and tokens <= self.limit:

@@ -5,13 +5,16 @@ The chat template (Jinja, once per prompt) and the parsing are most of staging's
 GIL: in one process, staging runs at the speed of one core (and a second one tokenizing). With `processes` > 1
 a pool of processes prepares the chunks (each process loads the tokenizer once) while this process reads the
 files and takes the results in file order. Results are the same either way, in the same order; only where the
-work runs differs.
+work runs differs. With `encoded`, each sample comes back as an `EncodedSample` (its prompt-shard record already
+written): rebuilding a tree of dataclasses from a pickle would cost the producer's process more than the rest of
+its work per sample.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -23,13 +26,13 @@ from dflash_queue.data.containers import RawLine, RawRecord, decode_line, read_r
 from dflash_queue.data.length import Refused, Rendered, count_rendered, render_prompts
 from dflash_queue.data.problems import BadRecord
 from dflash_queue.data.readers import sample_of
-from dflash_queue.data.samples import Regenerate, Sample
+from dflash_queue.data.samples import EncodedSample, Regenerate, Sample
 from dflash_queue.data.thinking import apply_thinking_policy
 
 # Records per chunk: one template call and one tokenizer call per thinking setting in it.
 CHUNK = 1024
 
-Item = Sample | BadRecord
+Item = Sample | EncodedSample | BadRecord
 # A chunk's samples and bad records in file order, with each sample's prompt tokens (None: not counted; Refused:
 # the template raised) and None for each bad record.
 Prepared = tuple[list[Item], list[int | Refused | None]]
@@ -42,6 +45,8 @@ class Preparation:
     # Makes the chat formatter (the target's tokenizer and template) to count prompt tokens with, once per pool
     # process; picklable (a module-level function, or a functools.partial of one). None: no counting.
     load_formatter: Callable[[], Any] | None = None
+    # Samples come back as `EncodedSample`s.
+    encoded: bool = False
 
 
 def prepared_chunks(
@@ -74,8 +79,8 @@ def _raw_chunks(paths: Iterable[str | Path], max_record_bytes: int) -> Iterator[
         yield chunk
 
 
-def _items(chunk: list[RawLine | RawRecord | BadRecord], preparation: Preparation) -> list[Item]:
-    items: list[Item] = []
+def _items(chunk: list[RawLine | RawRecord | BadRecord], preparation: Preparation) -> list[Sample | BadRecord]:
+    items: list[Sample | BadRecord] = []
     for raw in chunk:
         record = decode_line(raw) if isinstance(raw, RawLine) else raw
         if record is None:  # a blank line
@@ -85,18 +90,24 @@ def _items(chunk: list[RawLine | RawRecord | BadRecord], preparation: Preparatio
     return items
 
 
-def _aligned(items: list[Item], counts: list[int | Refused] | None) -> list[int | Refused | None]:
-    """Per item: its sample's count, None for a bad record (or for every item when nothing was counted)."""
+def _prepared(
+    items: list[Sample | BadRecord], counts: list[int | Refused] | None, preparation: Preparation
+) -> Prepared:
+    """The items (encoded if asked) with, per item, its sample's count, None for a bad record (or for every item
+    when nothing was counted)."""
+    out: list[Item] = [*items]
+    if preparation.encoded:
+        out = [EncodedSample.of(item) if isinstance(item, Sample) else item for item in items]
     if counts is None:
-        return [None] * len(items)
-    out: list[int | Refused | None] = []
+        return out, [None] * len(items)
+    aligned: list[int | Refused | None] = []
     taken = iter(counts)
     for item in items:
-        out.append(next(taken) if isinstance(item, Sample) else None)
-    return out
+        aligned.append(next(taken) if isinstance(item, Sample) else None)
+    return out, aligned
 
 
-def _render(formatter: Any, items: list[Item]) -> Rendered:
+def _render(formatter: Any, items: list[Sample | BadRecord]) -> Rendered:
     return render_prompts(formatter, [item for item in items if isinstance(item, Sample)])
 
 
@@ -104,8 +115,8 @@ def prepare_chunk(chunk: list[RawLine | RawRecord | BadRecord], preparation: Pre
     """One chunk, start to end, in the calling thread (a pool process)."""
     items = _items(chunk, preparation)
     if formatter is None:
-        return items, _aligned(items, None)
-    return items, _aligned(items, count_rendered(formatter, _render(formatter, items)))
+        return _prepared(items, None, preparation)
+    return _prepared(items, count_rendered(formatter, _render(formatter, items)), preparation)
 
 
 def _here(chunks: Iterator[list], preparation: Preparation, formatter: Any) -> Iterator[Prepared]:
@@ -113,20 +124,19 @@ def _here(chunks: Iterator[list], preparation: Preparation, formatter: Any) -> I
     next one is parsed and rendered."""
     if formatter is None:
         for chunk in chunks:
-            items = _items(chunk, preparation)
-            yield items, _aligned(items, None)
+            yield _prepared(_items(chunk, preparation), None, preparation)
         return
-    in_flight: deque[tuple[list[Item], Future[list[int | Refused]]]] = deque()
+    in_flight: deque[tuple[list[Sample | BadRecord], Future[list[int | Refused]]]] = deque()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dfq-count") as pool:
         for chunk in chunks:
             items = _items(chunk, preparation)
             in_flight.append((items, pool.submit(count_rendered, formatter, _render(formatter, items))))
             if len(in_flight) > 2:
                 done, counted = in_flight.popleft()
-                yield done, _aligned(done, counted.result())
+                yield _prepared(done, counted.result(), preparation)
         while in_flight:
             done, counted = in_flight.popleft()
-            yield done, _aligned(done, counted.result())
+            yield _prepared(done, counted.result(), preparation)
 
 
 # The preparation and formatter of a pool process, set once by _start_process.
@@ -135,6 +145,8 @@ _process_state: tuple[Preparation, Any] | None = None
 
 def _start_process(preparation: Preparation) -> None:
     global _process_state
+    # Ctrl-C reaches the whole process group: the producer stops the pool itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already; no tokenizer threads on top
     formatter = preparation.load_formatter() if preparation.load_formatter is not None else None
     _process_state = (preparation, formatter)
@@ -151,10 +163,14 @@ def _in_processes(
     # Spawned, not forked: the producer holds threads, sockets and the tokenizer's thread pool.
     context = multiprocessing.get_context("spawn")
     pending: deque[Future[Prepared]] = deque()
-    with ProcessPoolExecutor(processes, mp_context=context, initializer=_start_process, initargs=(preparation,)) as pool:
+    pool = ProcessPoolExecutor(processes, mp_context=context, initializer=_start_process, initargs=(preparation,))
+    try:
         for chunk in chunks:
             if len(pending) >= 2 * processes:
                 yield pending.popleft().result()
             pending.append(pool.submit(_prepare_in_process, chunk))
         while pending:
             yield pending.popleft().result()
+    finally:
+        # Stopped early (an error, Ctrl-C, the consumer gone): chunks not started are dropped, not prepared.
+        pool.shutdown(wait=True, cancel_futures=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from dflash_queue import jsoncodec
 
@@ -110,6 +110,21 @@ class Sample:
             regenerate=data.get("regenerate", "last"),
             tools=canonical_json(data["tools"]) if data.get("tools") is not None else None,
         )
+
+
+class EncodedSample(NamedTuple):
+    """A sample as staging hands it to the producer: what staging reads of it, and its record (`Sample.to_json`)
+    encoded as a prompt shard holds it. Made where the sample was parsed (a staging process), it travels back as
+    four plain values instead of a tree of objects."""
+
+    id: str
+    source: str
+    thinking: bool
+    record: bytes
+
+    @classmethod
+    def of(cls, sample: Sample) -> EncodedSample:
+        return cls(sample.id, sample.source, sample.thinking, jsoncodec.dumps(sample.to_json()))
 
 
 def canonical_json(value: Any) -> str:

@@ -17,11 +17,20 @@ from transformers import AutoTokenizer
 
 from dflash_queue.data import preparation
 from dflash_queue.data.length import source_position
+from dflash_queue.data.samples import EncodedSample
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.ledger import Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.staging import AUTO_MIN_BYTES, EnqueueReport, build_length_filter, iter_samples, staging_processes
+from dflash_queue.shards.prompts import decode_prompts, encode_prompts
+from dflash_queue.staging import (
+    AUTO_MIN_BYTES,
+    EnqueueReport,
+    build_length_filter,
+    iter_encoded,
+    iter_samples,
+    staging_processes,
+)
 from dfq_testing.templates import ALTERNATING_TEMPLATE
 
 SUBJECTS = ["tides", "owls", "bread", "maps", "a binary search", "def f(x): return x", "what is 17 * 23?"]
@@ -55,9 +64,10 @@ def dataset(tmp_path: Path) -> list[Path]:
     return [jsonl, zipped, parquet]
 
 
-def staged(config, paths, processes: int, formatter) -> tuple[list, EnqueueReport]:
+def staged(config, paths, processes: int, formatter, *, encoded: bool = False) -> tuple[list, EnqueueReport]:
     report = EnqueueReport()
-    samples = list(iter_samples(config, paths, report, build_length_filter(config, formatter), processes=processes))
+    read = iter_encoded if encoded else iter_samples
+    samples = list(read(config, paths, report, build_length_filter(config, formatter), processes=processes))
     return samples, report
 
 
@@ -88,6 +98,14 @@ def test_a_pool_of_processes_stages_what_one_process_stages(dataset, make_config
     assert summary(pooled_report) == summary(one_report)
     assert {Path(source_position(s.source)[0]).name for s in pooled} == {"a.jsonl", "b.json.gz", "c.parquet"}
 
+    # As the producer takes them: each sample's prompt-shard record written in the pool's processes.
+    encoded, encoded_report = staged(config, dataset, 2, formatter, encoded=True)
+    assert summary(encoded_report) == summary(one_report)
+    assert all(isinstance(e, EncodedSample) for e in encoded)
+    assert [(e.id, e.source, e.thinking) for e in encoded] == [(s.id, s.source, s.thinking) for s in one]
+    assert decode_prompts(encode_prompts(encoded), what="p") == one
+    assert encode_prompts(encoded) == encode_prompts(one)
+
 
 def test_enqueue_through_the_command_line_with_staging_processes(dataset, make_config, redis_url, tmp_path):
     pooled = make_config("pooled.toml", dataset={"staging_processes": 2}, run={"name": "pooled"})
@@ -100,9 +118,10 @@ def test_enqueue_through_the_command_line_with_staging_processes(dataset, make_c
     report = Producer(single, Ledger.from_url(redis_url, "single")).enqueue(dataset)
     assert f"samples: {report.samples} ({report.duplicates} exact duplicates dropped" in result.stdout
     assert f"shards: {report.shards} ({report.shards} enqueued" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "storage").rglob("*.jsonl")) == sorted(
-        p.name for p in (tmp_path / "single-storage").rglob("*.jsonl")
-    )
+    pooled_files = {p.name: p.read_bytes() for p in (tmp_path / "storage").rglob("*.jsonl")}
+    single_files = {p.name: p.read_bytes() for p in (tmp_path / "single-storage").rglob("*.jsonl")}
+    assert len(pooled_files) == report.shards > 1
+    assert pooled_files == single_files
 
 
 def test_automatic_staging_processes(make_config, tmp_path):
