@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import multiprocessing
 import random
 import subprocess
 import sys
@@ -135,3 +136,15 @@ def test_automatic_staging_processes(make_config, tmp_path):
     assert staging_processes(auto, [large], cores=2) == 1
     assert staging_processes(auto, [small, tmp_path / "missing.jsonl"], cores=16) == 1
     assert staging_processes(make_config("fixed.toml", dataset={"staging_processes": 3}), [small], cores=2) == 3
+
+
+def test_staging_stopped_early_stops_its_pool(dataset, make_config, monkeypatch):
+    monkeypatch.setattr(preparation, "CHUNK", 16)
+    config = make_config(dataset={"thinking": "auto"})
+    samples = iter_encoded(config, dataset, EnqueueReport(), processes=2)
+    first = [next(samples) for _ in range(3)]
+    pool = multiprocessing.active_children()
+    assert len(first) == 3 and len(pool) >= 2
+    samples.close()  # what an error or Ctrl-C in the producer does to the generator
+    assert not [p for p in pool if p.is_alive()]
+    assert multiprocessing.active_children() == []
