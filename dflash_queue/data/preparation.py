@@ -95,9 +95,11 @@ def _prepared(
 ) -> Prepared:
     """The items (encoded if asked) with, per item, its sample's count, None for a bad record (or for every item
     when nothing was counted)."""
-    out: list[Item] = [*items]
+    out: list[Item]
     if preparation.encoded:
         out = [EncodedSample.of(item) if isinstance(item, Sample) else item for item in items]
+    else:
+        out = list(items)
     if counts is None:
         return out, [None] * len(items)
     aligned: list[int | Refused | None] = []
