@@ -33,6 +33,7 @@ from pathlib import Path
 
 from dflash_queue.config import Config
 from dflash_queue.data.length import LengthFilter
+from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
 from dflash_queue.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
 from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
@@ -40,7 +41,6 @@ from dflash_queue.shards.keys import prompts_key, stored_shard_ids
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.staging import (
     EnqueueReport,
-    batched,
     build_length_filter,
     checked_formatter,
     growing_batches,

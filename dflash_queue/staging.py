@@ -183,17 +183,6 @@ def staging_processes(config: Config, paths: Iterable[str | Path], cores: int | 
     return min(cores - 1, AUTO_MAX_PROCESSES)
 
 
-def batched(items: Iterable, size: int) -> Iterator[list]:
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def growing_batches(items: Iterable, largest: int) -> Iterator[list]:
     """Batches of 1, 2, 4, ... items, then `largest` at most."""
     batch: list = []

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_queue.config import Config
+from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.ledger import Ledger
 from dflash_queue.shards.keys import SHARDS, shard_id_of, shard_key
 from dflash_queue.shards.prompts import prompt_shard_id
 from dflash_queue.shards.ranges import open_source, read_layout
-from dflash_queue.staging import EnqueueReport, batched, build_length_filter, iter_encoded
+from dflash_queue.staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.storage import Storage, open_storage
 
 # How many missing or duplicated ids a report lists in full.

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -68,15 +69,20 @@ def prepared_chunks(
 
 
 def _raw_chunks(paths: Iterable[str | Path], max_record_bytes: int) -> Iterator[list[RawLine | RawRecord | BadRecord]]:
-    chunk: list[RawLine | RawRecord | BadRecord] = []
-    for path in paths:
-        for item in read_raw_records(path, max_record_bytes=max_record_bytes):
-            chunk.append(item)
-            if len(chunk) >= CHUNK:
-                yield chunk
-                chunk = []
-    if chunk:
-        yield chunk
+    records = chain.from_iterable(read_raw_records(path, max_record_bytes=max_record_bytes) for path in paths)
+    return batched(records, CHUNK)
+
+
+def batched(items: Iterable, size: int) -> Iterator[list]:
+    """Lists of `size` items in order, the last one shorter."""
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _items(chunk: list[RawLine | RawRecord | BadRecord], preparation: Preparation) -> list[Sample | BadRecord]:

@@ -25,7 +25,8 @@ class Message:
     tool_calls: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Positional arguments pickle in a third of the time of a dataclass's __dict__ (staging processes).
+        # Positional arguments: a staging pool that hands back samples pickles them in ~20% less time than with
+        # a dataclass's __dict__ (dumps 3.4 vs 4.4 us, loads 14.1 vs 17.1 us per sample).
         return Message, (self.role, self.content, self.reasoning, self.tool_calls)
 
     def to_json(self) -> dict[str, Any]:
