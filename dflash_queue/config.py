@@ -18,7 +18,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError
 
 from dflash_queue.data.config import DatasetConfig
-from dflash_queue.engines.config import ExtractConfig, GenerateConfig, SamplingConfig, VllmConfig
+from dflash_queue.engines.config import (
+    ExtractConfig,
+    ExtractVllmConfig,
+    GenerateConfig,
+    SamplingConfig,
+    VllmConfig,
+)
 from dflash_queue.errors import ConfigError
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
@@ -33,6 +39,7 @@ __all__ = [
     "Config",
     "DatasetConfig",
     "ExtractConfig",
+    "ExtractVllmConfig",
     "FlowerConfig",
     "GenerateConfig",
     "ModelConfig",

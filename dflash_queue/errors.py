@@ -77,3 +77,8 @@ class OutOfMemoryAtMinimumBudget(SampleDependentError):
 
 class NonFiniteHiddenStates(SampleDependentError):
     """A forward pass produced NaN or infinite hidden states for the named samples."""
+
+
+class EngineStatesInvalid(PermanentError):
+    """An engine handed over states that cannot be the sequence's own: for other tokens, of another shape, or with
+    tokens whose state it never wrote. Nothing of the task is stored."""

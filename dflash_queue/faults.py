@@ -7,6 +7,11 @@ A JSON object, read once per process:
   {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
   {"extract_break_packing": true}           the extract lane's packed sequences see each other (after the
                                             engine's load probe), so that the run-time canary must catch it
+  {"extract_vllm_states": {"zero": [id], "constant": [id], "drop_tail": [id], "shift": [id], "swap": [[id, id]]}}
+                                            the vLLM engine's KV connector zeroes, makes constant, leaves the last
+                                            half unwritten, shifts by one token or swaps these samples' states
+                                            (never in the canary's reruns alone), so that the checks that must
+                                            catch such bugs are seen to
 
 Unset (always, in production), every check is a no-op.
 """
@@ -57,6 +62,14 @@ def task_delay() -> None:
 
 def packing_broken() -> bool:
     return bool(_faults().get("extract_break_packing", False))
+
+
+def vllm_states_faults() -> dict:
+    """What the extract lane's vLLM connector alters (see engines/vllm_states_connector.py); {} normally."""
+    faults = _faults().get("extract_vllm_states", {})
+    if not isinstance(faults, dict):
+        raise ValueError(f"{ENV}: extract_vllm_states must be a JSON object, got {faults!r}")
+    return faults
 
 
 def maybe_kill(shard_id: str) -> None:

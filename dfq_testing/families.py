@@ -8,7 +8,12 @@ Llama), and a short-convolution hybrid (LFM2) that only runs unpacked.
 
 Weights are drawn at a standard deviation of `INIT_STD` instead of the usual 0.02: at init scale the states are
 nearly zero and a wrong answer (a window ignored, a recurrent state leaking into the next sequence) hides below
-any tolerance.
+any tolerance. Norm weights, which every family initialises to a constant, are drawn too (`NORM_STD`), so that a
+norm applied twice, or with another family's formula, shows.
+
+Sizes also suit vLLM's CPU build, which runs some families through the extract lane's vLLM engine: attention
+head size 32 (its CPU attention kernels take no smaller), linear-attention heads of 128 (its CPU Gated DeltaNet
+kernel's size), and gpt-oss's sliding window on every other layer (vLLM's gpt-oss assumes it).
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 INIT_STD = 0.2
+NORM_STD = 0.3
 HIDDEN = 64
 HEADS = 4
 KV_HEADS = 2
-HEAD_DIM = 16
+HEAD_DIM = 32
 NUM_LAYERS = 6
 WINDOW = 16  # sliding window: far below the test sequences' lengths
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -61,11 +67,12 @@ _HYBRID = ["linear_attention", "linear_attention", "full_attention"] * (NUM_LAYE
 _LINEAR = {
     "linear_num_value_heads": 4,
     "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
     "linear_conv_kernel_dim": 4,
 }
 _INTERLEAVED = ["sliding_attention", "sliding_attention", "full_attention"] * (NUM_LAYERS // 3)
+_ALTERNATING = ["sliding_attention", "full_attention"] * (NUM_LAYERS // 2)
 
 
 def _qwen3(vocab):
@@ -156,7 +163,7 @@ def _gpt_oss(vocab):
     return GptOssForCausalLM(
         GptOssConfig(
             **_common(vocab), num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
-            layer_types=_INTERLEAVED,
+            layer_types=_ALTERNATING,
         )
     )
 
@@ -204,6 +211,10 @@ def build_family(name: str, out_dir: str | Path, tokenizer_dir: str | Path, *, s
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = family.build(len(tokenizer)).to(torch.float32).eval()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "norm" in name and parameter.dim() == 1:
+                    parameter.add_(torch.randn_like(parameter) * NORM_STD)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=[eos, pad], pad_token_id=pad)

@@ -41,7 +41,7 @@ def test_every_key_is_described_once_in_the_reference():
 
 def test_rows_give_type_bounds_and_default():
     text = render_reference()
-    assert "| `extract.token_budget` | integer (> 0) | `16384` | Tokens per forward pass" in text
+    assert "| `extract.token_budget` | integer (> 0) | `16384` | Transformers engine: tokens per forward pass" in text
     assert "| `storage.url` | string (not empty) | required |" in text
     assert '| `dataset.regenerate` | `"last"` \\| `"all"` | `"last"` |' in text
     assert "| `generate.sampling.top_p` | number (> 0, <= 1) | `0.95` |" in text

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
-from transformers import AutoConfig
 
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
@@ -30,6 +28,7 @@ from dflash_queue.storage import open_storage
 from dfq_testing.families import FAMILIES, NUM_LAYERS
 from dfq_testing.jobs import stage_samples
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.references import reference_model, reference_states
 
 SAMPLE = Path(__file__).resolve().parent / ".." / "examples" / "sharegpt_sample.jsonl"
 SAMPLES = 10
@@ -71,30 +70,6 @@ class PassLog:
             self.packed.append(kwargs["input_ids"].shape[0])
 
 
-def reference_model(path: Path, attention: str):
-    architecture = AutoConfig.from_pretrained(path).architectures[0]
-    model_class = getattr(transformers, architecture)
-    return model_class.from_pretrained(path, dtype=torch.float32, attn_implementation=attention).eval()
-
-
-def reference_states(model, input_ids: torch.Tensor, layer_states: list[str]) -> torch.Tensor:
-    """[T, K, H] from the model's own forward: decoder layer i is hidden_states[i + 1], except the last layer,
-    whose output before the final norm only a hook sees; "final_norm" is Transformers' last entry."""
-    last_layer: list[torch.Tensor] = []
-    hook = model.get_decoder().layers[-1].register_forward_hook(
-        lambda _m, _i, out: last_layer.append(out[0] if isinstance(out, tuple) else out)
-    )
-    try:
-        with torch.inference_mode():
-            hidden = model(input_ids=input_ids[None].long(), output_hidden_states=True).hidden_states
-    finally:
-        hook.remove()
-    entries = [hidden[i + 1][0] for i in range(NUM_LAYERS - 1)] + [last_layer[0][0]]
-    if layer_states[-1] == "final_norm":
-        entries.append(hidden[NUM_LAYERS][0])
-    return torch.stack(entries, dim=1)
-
-
 @pytest.mark.parametrize("hidden_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_stored_states_equal_each_sample_run_alone(name, hidden_dtype, tiny_family, make_config, tmp_path):
@@ -134,7 +109,7 @@ def test_stored_states_equal_each_sample_run_alone(name, hidden_dtype, tiny_fami
             sample = shard[index]
             completion = by_id[sample.id]
             assert sample.input_ids.tolist() == completion.input_ids
-            want = reference_states(model, sample.input_ids, layer_states)
+            want = reference_states(model, sample.input_ids, list(zip(json.loads(meta["layer_ids"]), layer_states)))
             got = sample.hidden_states.float()
             assert got.shape == want.shape
             for k in range(got.shape[1]):

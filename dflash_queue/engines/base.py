@@ -1,10 +1,17 @@
-"""The generate-engine protocol. Engines take token ids and return token ids: templating happens before."""
+"""The engine protocols of the two lanes. Engines take token ids: templating happens before.
+
+A generate engine returns token ids; an extract engine returns each sequence's hidden states at the captured
+layers. Each lane has two implementations (Transformers and vLLM) behind its protocol.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -33,6 +40,54 @@ class GenerateEngine(Protocol):
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """One generation per request, in request order."""
+
+    def close(self) -> None:
+        """Release the model and any processes or device memory it holds."""
+
+
+@dataclass(frozen=True)
+class ExtractionRequest:
+    sample_id: str
+    input_ids: list[int]
+
+
+@dataclass(frozen=True)
+class CapturedStates:
+    states: torch.Tensor  # [T, K, H] on the CPU, in the model's dtype
+    # [K, 3] float32: per captured layer, the largest value, the smallest value and the median token RMS.
+    summary: torch.Tensor
+    # Where the sequence sat in its forward pass: 0 for the first (or only) one; a later one is where a leak
+    # from the sequences before it would show.
+    pass_position: int = 0
+
+
+class ExtractEngine(Protocol):
+    name: str  # "transformers" or "vllm"
+    # How sequences shared the engine ("packed", "padded", "vllm"): the shard's `extraction` metadata.
+    mode: str
+    # What each of the K stored entries is: (decoder layer id, DECODER_OUTPUT or FINAL_NORM).
+    captured: list[tuple[int, str]]
+    num_model_layers: int
+    hidden_size: int
+    dtype: torch.dtype  # of the states it returns
+    device: torch.device  # where `reference_states(..., on_device=True)` leaves them
+    # Tasks that may capture at once (the lane's compute slots): 1 unless the engine batches across tasks.
+    concurrent_tasks: int
+
+    def capture(
+        self,
+        requests: Sequence[ExtractionRequest],
+        *,
+        break_packing: bool = False,
+        deliver: Callable[[int, CapturedStates], None] | None = None,
+    ) -> list[CapturedStates]:
+        """States and statistics per request (request order), or each handed to `deliver` as it is ready."""
+
+    def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
+        """The states of one sequence run alone: what the canary compares a shared pass's result with."""
+
+    def canary_tolerance(self) -> float:
+        """The canary's relative-error tolerance when extract.canary_tolerance is 0."""
 
     def close(self) -> None:
         """Release the model and any processes or device memory it holds."""

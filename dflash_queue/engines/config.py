@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dflash_queue.settings import LayerIds, PositiveFloat, PositiveInt, Section, StrTuple
 
@@ -31,11 +31,11 @@ class SamplingConfig(Section):
 EnvName = Annotated[str, Field(pattern=r"^[A-Z_][A-Z0-9_]*$")]
 
 
-class VllmConfig(Section):
-    """Settings of the vLLM engine (`generate.engine = "vllm"`): engine arguments and how it is fed."""
+class VllmEngineSettings(Section):
+    """Engine arguments the vLLM engines of both lanes take, with the same meaning."""
 
     tensor_parallel_size: PositiveInt = 1
-    """GPUs one engine spans (the worker's GPU group)."""
+    """GPUs one engine spans: the worker's GPU group (`worker --gpus 0-1-2-3`, the systemd install's groups)."""
     dtype: Literal["", "auto", "float32", "bfloat16", "float16"] = ""
     """Empty: model.dtype."""
     max_model_len: Annotated[int, Field(ge=0)] = 0
@@ -43,30 +43,87 @@ class VllmConfig(Section):
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     """Share of GPU memory vLLM may take for weights, activations and KV cache."""
     max_num_seqs: PositiveInt = 256
-    """Sequences the engine decodes at once."""
+    """Sequences the engine runs at once."""
     max_num_batched_tokens: Annotated[int, Field(ge=0)] = 0
-    """0: vLLM's default."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV cache of shared prompt prefixes (system prompts, earlier turns)."""
-    enable_chunked_prefill: bool = True
-    """Must be false with vLLM's CPU build, which cannot replay a seeded request's sampler after a partial prefill
-    (the engine would stop with "CPU Generator does not use offset")."""
+    """Tokens per engine step; 0: vLLM's default."""
     enforce_eager: bool = False
     """Run without CUDA graphs (slower; for debugging)."""
-    seed: int = 0
-    """vLLM's engine seed. Every request also carries its own seed, derived from generate.sampling.seed and the
-    sample id, so a completion does not depend on which shards shared the engine with it."""
     kv_cache_memory_gib: Annotated[float, Field(ge=0)] = 0.0
     """KV cache size; 0 lets vLLM size it (from gpu_memory_utilization, or VLLM_CPU_KVCACHE_SPACE on CPU)."""
-    inflight_tasks: PositiveInt = 3
-    """Tasks a worker runs at once against its one engine. More than one keeps the engine full while a shard's
-    slowest sequences finish: the other shards' waiting requests take the freed slots."""
     log_stats_interval_s: Annotated[float, Field(ge=0)] = 60.0
     """Seconds between vLLM's throughput log lines; 0 turns them off."""
     shutdown_timeout_s: PositiveFloat = 60.0
     """How long shutdown waits for vLLM's processes to exit before killing them."""
     env: dict[EnvName, str] = Field(default_factory=dict)
     """Environment for vLLM, set before it starts (e.g. VLLM_CPU_OMP_THREADS_BIND = "nobind" on CPU)."""
+
+
+class VllmConfig(VllmEngineSettings):
+    """Settings of the generate lane's vLLM engine (`generate.engine = "vllm"`): engine arguments and how it is
+    fed."""
+
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (system prompts, earlier turns)."""
+    enable_chunked_prefill: bool = True
+    """Must be false with vLLM's CPU build, which cannot replay a seeded request's sampler after a partial prefill
+    (the engine would stop with "CPU Generator does not use offset")."""
+    seed: int = 0
+    """vLLM's engine seed. Every request also carries its own seed, derived from generate.sampling.seed and the
+    sample id, so a completion does not depend on which shards shared the engine with it."""
+    inflight_tasks: PositiveInt = 3
+    """Tasks a worker runs at once against its one engine. More than one keeps the engine full while a shard's
+    slowest sequences finish: the other shards' waiting requests take the freed slots."""
+
+
+# KV-cache dtypes that quantize the cache: the target's attention then reads quantized keys and values, and every
+# state after the first attention layer differs from the model's own.
+QUANTIZED_KV_CACHE = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc")
+
+
+class ExtractVllmConfig(VllmEngineSettings):
+    """Settings of the extract lane's vLLM engine (`extract.engine = "vllm"`). vLLM's `extract_hidden_states`
+    method caches the residual stream before the extracted layers; the worker's own KV connector hands each
+    sequence's states over through shared memory. Prefix caching is always off in this lane: with it vLLM returns
+    states shorter than the tokens (vLLM #44485)."""
+
+    enable_chunked_prefill: bool = True
+    """Long sequences prefilled over several engine steps. Safe here: the cache blocks that hold each sequence's
+    states are zeroed when allocated and every sequence is checked whole (no token left unwritten) before it is
+    stored."""
+    inflight_tasks: PositiveInt = 2
+    """Tasks a worker runs at once against its one engine, so that the engine stays full while a shard's last
+    sequences finish and its shard is written."""
+    pipeline_parallel_size: PositiveInt = 1
+    """Must be 1: under pipeline parallelism vLLM returns the wrong layers' states (vLLM #36151). A target larger
+    than one GPU runs with tensor_parallel_size instead; more GPUs in data parallel are more workers."""
+    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"] = "auto"
+    """The target's KV cache dtype. Quantized (fp8) caches are refused: the attention would read quantized keys and
+    values, and every state after the first attention layer would differ from the model's own."""
+    transfer_dir: str = ""
+    """Where the engine's processes hand each sequence's states to the worker: a tmpfs (memory) directory. Empty:
+    /dev/shm. Each engine uses a sub-directory of its own, removed when it stops (and by the next worker on this
+    host when its process died); it holds the states of the sequences finished but not yet written to the
+    shard, a few sequences at a time."""
+
+    @field_validator("pipeline_parallel_size")
+    @classmethod
+    def _no_pipeline_parallelism(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"{value}: under pipeline parallelism vLLM returns the wrong layers' hidden states (vLLM #36151); "
+                "use tensor_parallel_size"
+            )
+        return value
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _unquantized_kv_cache(cls, value: str) -> str:
+        if value in QUANTIZED_KV_CACHE:
+            raise ValueError(
+                f"{value!r}: a quantized KV cache changes every hidden state after the first attention layer; "
+                "extraction needs the model's own attention ('auto')"
+            )
+        return value
 
 
 class GenerateConfig(Section):
@@ -89,21 +146,26 @@ class GenerateConfig(Section):
 
 
 class ExtractConfig(Section):
+    engine: Literal["transformers", "vllm"] = "transformers"
+    """"transformers" (the checkpoint's own decoder, packed passes, on one GPU or spread over the worker's GPU
+    group) or "vllm" (one resident vLLM engine per worker, tensor parallel over its GPU group; see extract.vllm).
+    Both store the same states, layers and metadata; docs/extraction.md says when to choose which."""
     num_draft_layers: PositiveInt = 5
     """K: the number of drafter layers the hidden states condition; picks the default layer ids."""
     layer_ids: LayerIds = ()
     """Explicit decoder-layer ids (output of layer i); when set they win over the DFlash default."""
     token_budget: PositiveInt = 16384
-    """Tokens per forward pass (sequences are packed; a longer sequence runs alone). Halved on out-of-memory."""
+    """Transformers engine: tokens per forward pass (sequences are packed; a longer sequence runs alone). Halved on
+    out-of-memory. (The vLLM engine batches by extract.vllm.max_num_batched_tokens.)"""
     hidden_dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = "bfloat16"
     """fp8_e4m3: half the bytes of bfloat16, one fp32 scale per token and layer; readers dequantise."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernels of the Transformers model the extract lane runs."""
+    """Transformers engine: the attention kernels of the model the extract lane runs."""
     pin_memory: bool = True
-    """CUDA: captured layers go to pinned host memory asynchronously while the next pack computes (two packs'
+    """Transformers engine on CUDA: captured layers go to pinned host memory asynchronously while the next pack computes (two packs'
     states at a time, cached by torch's pinned allocator); off: plain synchronous copies."""
     packing: Literal["auto", "packed", "padded"] = "auto"
-    """How sequences share a forward pass. "auto": packed in one row where every token mixer of the model can be
+    """Transformers engine: how sequences share a forward pass. "auto": packed in one row where every token mixer of the model can be
     confined to its sequence (attention with windows, soft-capping and sinks; Qwen3.5/Qwen3-Next linear
     attention), else right-padded batches; chosen at load, confirmed by a probe and logged. "packed" refuses a
     model that cannot be packed exactly; "padded" never packs."""
@@ -111,17 +173,21 @@ class ExtractConfig(Section):
     """Also store the last layer's output after the model's final norm (what EAGLE-3 trainers call the last hidden
     state), as one more entry after the K layers, marked `final_norm` in the shard metadata."""
     canary_samples: Annotated[int, Field(ge=0)] = 1
-    """Samples per shard recomputed alone through the model's own attention and compared with their packed states
-    (chosen from the shard id, so a re-delivery checks the same ones). 0 turns the canary off."""
+    """Samples per shard recomputed alone and compared with their states from the shared pass (chosen from the shard
+    id, so a re-delivery checks the same ones): through the model's own attention (Transformers engine), or as a
+    batch of one through the same engine (vLLM). 0 turns the canary off."""
     canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
     """Relative error (per layer, over the sample) above which the canary fails the task for good; 0: by the
-    model's dtype (1e-4 for float32, 2e-2 for bfloat16, 5e-3 for float16)."""
+    model's dtype with the Transformers engine (1e-4 for float32, 2e-2 for bfloat16, 5e-3 for float16), and
+    calibrated when the vLLM engine loads (a multiple of its batched-vs-alone noise in the production dtype,
+    never below the dtype's floor)."""
     rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
     """A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
     that layer fails the task (with all-zero and constant layers): states no forward pass gives."""
     max_shard_bytes: Annotated[int, Field(ge=1)] = 8 * 10**9
     """`plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
     larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object."""
+    vllm: ExtractVllmConfig = ExtractVllmConfig()
 
     @model_validator(mode="after")
     def _layer_ids_distinct(self) -> ExtractConfig:

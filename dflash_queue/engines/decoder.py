@@ -150,6 +150,20 @@ def _tied_parameters(model: nn.Module):
     return tied.items() if isinstance(tied, dict) else ()
 
 
+def decoder_prefix(keys: list[str], layout: CheckpointLayout) -> str:
+    """The key prefix of the text decoder's weights in a checkpoint with these `keys` (`model.` for a causal LM,
+    `model.language_model.` for a multimodal checkpoint, "" for a bare decoder)."""
+    if layout.text_prefix:
+        return layout.text_prefix
+    prefix = _text_decoder_prefix(keys)
+    if prefix is None:
+        raise UnsupportedArchitecture(
+            f"{layout.model_type}: cannot tell where the checkpoint keeps its decoder (no single prefix holding "
+            f"'{_EMBEDDINGS}' and 'layers.0.')"
+        )
+    return prefix
+
+
 def checkpoint_keys(directory: Path) -> list[str]:
     index = directory / _INDEX
     if index.is_file():

@@ -37,33 +37,20 @@ import torch
 from torch import nn
 
 from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
+from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
 from dflash_queue.engines.extract_probe import confirm_mode
 from dflash_queue.engines.layers import resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
 from dflash_queue.engines.passes import packed_inputs, padded_inputs, plan_passes, summarize, token_stats
+from dflash_queue.engines.state_checks import default_tolerance
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
 
 log = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class ExtractionRequest:
-    sample_id: str
-    input_ids: list[int]
-
-
-@dataclass(frozen=True)
-class CapturedStates:
-    states: torch.Tensor  # [T, K, H] on the CPU, in the model's dtype
-    # [K, 3] float32: per captured layer, the largest value, the smallest value and the median token RMS.
-    summary: torch.Tensor
-    # Where the sequence sat in its forward pass: 0 for the first (or only) one; a later one is where a leak
-    # from the sequences before it would show.
-    pass_position: int = 0
+__all__ = ["CapturedStates", "ExtractionRequest", "HiddenStateExtractor"]
 
 
 @dataclass
@@ -81,6 +68,7 @@ class _PassResult:
 
 class HiddenStateExtractor:
     name = "transformers"
+    concurrent_tasks = 1  # one forward pass at a time on the model
 
     def __init__(
         self,
@@ -261,6 +249,9 @@ class HiddenStateExtractor:
         finally:
             self.use_mode(self.mode)
         return buffer if on_device else buffer.cpu()
+
+    def canary_tolerance(self) -> float:
+        return default_tolerance(self.dtype)
 
     def activation_bytes(self, tokens: int) -> int:
         """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights.

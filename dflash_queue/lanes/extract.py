@@ -1,18 +1,22 @@
 """Extract lane: completions shard in, training shard out (hidden states at the configured layers).
 
+The engine is the Transformers model (engines/hf_extract.py) or a vLLM engine (engines/vllm_extract.py), chosen
+by `extract.engine`; both hand over the same states, and the shard's `extraction` metadata says which made it.
+
 Keeping the engine busy while shards are stored: the extract worker runs its tasks in Celery's threads pool
-with several task slots (1 + storage.uploader.max_pending by default), and a task acknowledges only after its
-shard is durably stored. A task first takes a slot in the uploader's bounded staging area (back-pressure: when
-uploads fall behind, tasks wait there rather than filling the disk), then the lane's compute slot (one task on
-the engine at a time). Its hidden states go to the staged file as each forward pass finishes
+with several task slots (the engine's compute slots + storage.uploader.max_pending by default), and a task
+acknowledges only after its shard is durably stored. A task first takes a slot in the uploader's bounded staging
+area (back-pressure: when uploads fall behind, tasks wait there rather than filling the disk), then one of the
+lane's compute slots (one task on the Transformers model at a time; `extract.vllm.inflight_tasks` on the vLLM
+engine, which batches across them). Its hidden states go to the staged file as each forward pass finishes
 (shards/training_writer.py), so a task holds about one pass of states in host memory, never its shard; the
 header is written and the upload waited for after the compute slot is released, so while one task waits for its
 shard to reach storage, the next task already computes. One task per shard keeps re-delivery simple: a shard is
 either stored whole or computed again.
 
 Every shard is checked before it is written (see engines/state_checks.py): `extract.canary_samples` samples,
-chosen from the shard id, are recomputed alone through the model's own attention and compared with their packed
-states, and every sample's layers are checked for states no forward pass gives. Either failing fails the task
+chosen from the shard id, are recomputed alone (through the model's own attention, or as a batch of one through
+the vLLM engine) and compared with their states from the shared pass, and every sample's layers are checked for states no forward pass gives. Either failing fails the task
 for good: its dead letter names the sample, the layer and the error, and nothing wrong is stored.
 """
 
@@ -30,8 +34,8 @@ import transformers
 import dflash_queue
 from dflash_queue import faults
 from dflash_queue.config import Config
-from dflash_queue.engines.hf_extract import CapturedStates, ExtractionRequest, HiddenStateExtractor
-from dflash_queue.engines.state_checks import check_canary, check_plausible, default_tolerance
+from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
+from dflash_queue.engines.state_checks import check_canary, check_plausible
 from dflash_queue.errors import WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
@@ -87,20 +91,25 @@ class ExtractSummary:
         )
 
 
-def versions() -> dict[str, str]:
-    return {
+def versions(engine: str = "transformers") -> dict[str, str]:
+    found = {
         "dflash_queue": dflash_queue.__version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "safetensors": safetensors.__version__,
     }
+    if engine == "vllm":
+        import vllm
+
+        found["vllm"] = vllm.__version__
+    return found
 
 
 class ExtractLane:
     def __init__(
         self,
         config: Config,
-        extractor: HiddenStateExtractor,
+        extractor: ExtractEngine,
         storage: Storage | None = None,
         uploader: ShardUploader | None = None,
     ) -> None:
@@ -118,9 +127,9 @@ class ExtractLane:
             hidden_size=extractor.hidden_size,
             dtype=config.extract.hidden_dtype,
             config_fingerprint=config.fingerprint(),
-            versions=versions(),
+            versions=versions(extractor.name),
         )
-        self._compute = threading.Lock()
+        self._compute = threading.Semaphore(extractor.concurrent_tasks)
         self._stopping = threading.Event()
 
     def run(self, shard_id: str, *, redo: bool = False) -> ExtractSummary:
@@ -217,7 +226,7 @@ class ExtractLane:
         tolerance."""
         if not chosen:
             return None
-        tolerance = self.config.extract.canary_tolerance or default_tolerance(self.extractor.dtype)
+        tolerance = self.config.extract.canary_tolerance or self.extractor.canary_tolerance()
         device = self.extractor.device
         differences = [
             check_canary(  # compared on the device: the states of a long sample are large for the host
@@ -251,7 +260,8 @@ class ExtractLane:
 
     @contextmanager
     def _compute_slot(self, shard_id: str) -> Iterator[None]:
-        """The engine, for one task at a time; refused once shutdown began, so that the task is requeued."""
+        """One of the engine's compute slots (one for the Transformers model, extract.vllm.inflight_tasks for the
+        vLLM engine); refused once shutdown began, so that the task is requeued."""
         refused = f"shard {shard_id}: the worker is shutting down before extraction started"
         while not self._compute.acquire(timeout=0.5):
             if self._stopping.is_set():
@@ -268,8 +278,14 @@ def build_extract_lane(config: Config, storage: Storage | None = None) -> Extrac
     return ExtractLane(config, build_extractor(config), storage)
 
 
-def build_extractor(config: Config) -> HiddenStateExtractor:
+def build_extractor(config: Config) -> ExtractEngine:
     fix_mmap_threshold()  # the process that extracts keeps one pass's buffers resident, not every pass's
+    if config.extract.engine == "vllm":
+        from dflash_queue.engines.vllm_extract import VllmStateExtractor
+
+        return VllmStateExtractor(config)
+    from dflash_queue.engines.hf_extract import HiddenStateExtractor
+
     return HiddenStateExtractor(
         config.model.path,
         layer_ids=config.extract.layer_ids,

@@ -105,11 +105,28 @@ def _generate_slots(config: Config) -> int:
     return config.generate.vllm.inflight_tasks if config.generate.engine == "vllm" else 1
 
 
+def _extract_compute_slots(config: Config) -> int:
+    """Tasks computing at once: one on the Transformers model, extract.vllm.inflight_tasks on the vLLM engine."""
+    return config.extract.vllm.inflight_tasks if config.extract.engine == "vllm" else 1
+
+
 def _extract_slots(config: Config) -> int:
-    """One task computing while others wait for their uploads: a task holds one of the uploader's max_pending
-    staging slots from before its compute until its shard is stored; the extra slot is a task that waits for a
+    """Tasks computing while others wait for their uploads: a task holds one of the uploader's max_pending
+    staging slots from before its compute until its shard is stored; the extra slots are tasks that wait for a
     staging slot, ready to compute."""
-    return 1 + config.storage.uploader.max_pending
+    return _extract_compute_slots(config) + config.storage.uploader.max_pending
+
+
+def _extract_warnings(config: Config, slots: int) -> list[str]:
+    computing = _extract_compute_slots(config)
+    pending = config.storage.uploader.max_pending
+    if computing <= 1 or pending >= computing:
+        return []
+    return [
+        f"storage.uploader.max_pending ({pending}) is below extract.vllm.inflight_tasks ({computing}): a task "
+        f"holds a staging slot while it computes, so at most {pending} tasks feed the engine at once; raise "
+        "storage.uploader.max_pending"
+    ]
 
 
 def _generate_warnings(config: Config, slots: int) -> list[str]:
@@ -168,6 +185,7 @@ EXTRACT = LaneSpec(
     paced_by="sequence",
     work_counter="extract_tokens",
     plan_title="extraction (prompt + completion tokens)",
+    startup_warnings=_extract_warnings,
 )
 
 # The lane of a dead letter whose task name or queue names no lane.

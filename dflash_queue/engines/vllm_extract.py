@@ -1,0 +1,543 @@
+"""Hidden-state extraction through one resident vLLM engine (`extract.engine = "vllm"`), tensor parallel over the
+worker's GPU group.
+
+vLLM's `extract_hidden_states` speculative method caches the residual stream before the requested layers
+("aux" layer ids) for every token it prefills. Each sequence (prompt + completion ids, exactly as stored) is one
+request with `max_tokens = 1`; when it finishes, this package's KV connector (engines/vllm_states_connector.py,
+loaded inside vLLM's processes) writes its states into the engine's transfer directory, a tmpfs shared with this
+process, which reads them, checks them and hands them to the shard writer. The engine is fed by several task
+threads at once (`extract.vllm.inflight_tasks`), so it stays full across shards as the generate lane's does.
+
+Layer conventions: vLLM's aux id k is the residual stream before decoder layer k, which is Transformers'
+`hidden_states[k]` and this package's layer k-1 (the output of decoder layer k-1); aux id N (N layers) is the
+last layer's output before the final norm. vLLM returns the aux layers in ascending order, whatever order the
+config lists them in; they are put back in the config's order here. The final-norm entry is aux id N through the
+checkpoint's own norm (engines/final_norm.py). Layer ids, `layer_states` and every shard field are those the
+Transformers engine writes for the same config; the shard's `extraction` says "vllm".
+
+What is checked on every sequence before it is stored: the token ids the engine prefilled are the request's, the
+states have one row per token at every layer, and no row is all zero (the connector zeroes the cache blocks when
+they are allocated, so a row the engine never wrote shows as zeros: chunked prefill, preemption, or vLLM's
+all-zero bug for hybrid models, #46301). Then the lane's own checks (finite values, plausible RMS, canary).
+
+The canary reruns a sample as a batch of one through the same engine: it waits until the requests already in the
+engine have finished, and new ones wait for it (`EngineGate`). vLLM is not batch invariant on GPUs, so its
+tolerance is calibrated when the engine loads: the same probe sequences batched and alone, in the production
+dtype; the tolerance is a multiple of that difference, never below the dtype's floor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import random
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_queue import faults
+from dflash_queue.config import Config
+from dflash_queue.engines import vllm_runtime
+from dflash_queue.engines.base import CapturedStates, ExtractionRequest
+from dflash_queue.engines.decoder import read_layout
+from dflash_queue.engines.final_norm import FinalNorm
+from dflash_queue.engines.layers import resolve_layer_ids
+from dflash_queue.engines.passes import summarize, token_stats
+from dflash_queue.engines.state_checks import compare_states
+from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
+from dflash_queue.engines.vllm_states_connector import (
+    CANARY_PARAM,
+    FAULTS_KEY,
+    SAMPLE_PARAM,
+    STATES_PATH_KEY,
+    STATES_TENSOR,
+    TOKENS_TENSOR,
+    TRANSFER_DIR_KEY,
+)
+from dflash_queue.engines.vllm_support import FORCED_SETTINGS, vllm_refusal
+from dflash_queue.errors import (
+    EngineStatesInvalid,
+    EngineUnavailable,
+    GenerationRejected,
+    NonFiniteHiddenStates,
+    UnsupportedArchitecture,
+)
+from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
+
+log = logging.getLogger(__name__)
+
+CONNECTOR = "HiddenStatesConnector"
+CONNECTOR_MODULE = "dflash_queue.engines.vllm_states_connector"
+# How long a finished request's states may take to appear (a copy of at most a few hundred MB), and how often the
+# transfer directory is looked at while something is awaited.
+STATES_WAIT_S = 300.0
+SCAN_MIN_S = 0.001
+SCAN_MAX_S = 0.02
+# The canary's tolerance: this multiple of the batched-vs-alone difference measured at load, never below the
+# dtype's floor (the float32 floor is the exactness this engine is held to against the checkpoint's own forward).
+CALIBRATION_LENGTHS = (37, 96, 211)
+CALIBRATION_FACTOR = 10.0
+TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float64: 1e-8, torch.bfloat16: 4e-3, torch.float16: 5e-4}
+DEFAULT_TRANSFER_BASE = Path("/dev/shm")
+_DIR_PREFIX = "dfq-states-"
+
+
+def aux_layer_ids(captured: Sequence[tuple[int, str]], num_layers: int) -> list[int]:
+    """vLLM's aux id of each captured entry, in the entries' order: decoder layer i's output is aux id i + 1; the
+    final-norm entry is computed from aux id N, the last layer's output before the norm."""
+    return [layer + 1 if kind == DECODER_OUTPUT else num_layers for layer, kind in captured]
+
+
+def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: str) -> dict[str, Any]:
+    """`AsyncEngineArgs` keywords of the extract lane's engine: its settings, extract_hidden_states at `aux_ids`
+    (sorted, distinct: the order vLLM caches them in), this package's connector, and what extraction forces."""
+    settings = config.extract.vllm
+    extra: dict[str, Any] = {TRANSFER_DIR_KEY: transfer_dir}
+    injected = faults.vllm_states_faults()
+    if injected:
+        extra[FAULTS_KEY] = injected
+    return {
+        **common_engine_args(config, settings),
+        "enable_prefix_caching": False,  # see vllm_support.FORCED_SETTINGS
+        "enable_chunked_prefill": settings.enable_chunked_prefill,
+        "kv_cache_dtype": settings.kv_cache_dtype,
+        "pipeline_parallel_size": settings.pipeline_parallel_size,
+        "seed": 0,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": sorted(set(aux_ids))}},
+        },
+        "kv_transfer_config": {
+            "kv_connector": CONNECTOR,
+            "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": extra,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The transfer directory
+
+
+def transfer_base(setting: str) -> Path:
+    """extract.vllm.transfer_dir, else /dev/shm (memory), else the temporary directory (said in the log)."""
+    if setting:
+        return Path(setting)
+    if DEFAULT_TRANSFER_BASE.is_dir() and os.access(DEFAULT_TRANSFER_BASE, os.W_OK):
+        return DEFAULT_TRANSFER_BASE
+    fallback = Path(tempfile.gettempdir())
+    log.warning("no writable /dev/shm: states pass through %s (set extract.vllm.transfer_dir to a tmpfs)", fallback)
+    return fallback
+
+
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
+
+
+def make_transfer_dir(base: Path) -> Path:
+    """A directory of this engine's own under `base`; those of this host's dead processes are removed first."""
+    base.mkdir(parents=True, exist_ok=True)
+    pattern = re.compile(rf"^{_DIR_PREFIX}{re.escape(_host_tag())}-(\d+)-[0-9a-f]+$")
+    for entry in base.iterdir():
+        match = pattern.match(entry.name)
+        if match and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+    path = base / f"{_DIR_PREFIX}{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    return path
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class StatesArrivals:
+    """Futures for the files the connector will write, resolved by one task that looks at the directory (rather
+    than one poller per request): a file appears whole (renamed into place), or `<name>.error` appears."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._waiting: dict[str, asyncio.Future[str]] = {}
+        self._scanner: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+
+    async def wait(self, path: str, timeout: float) -> str:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[str] = loop.create_future()
+        name = os.path.basename(path)
+        self._waiting[name] = future
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        self._wake.set()
+        if self._scanner is None or self._scanner.done():
+            self._scanner = loop.create_task(self._scan())
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._waiting.pop(name, None)
+
+    async def _scan(self) -> None:
+        delay = SCAN_MIN_S
+        assert self._wake is not None
+        while True:
+            if not self._waiting:
+                self._wake.clear()
+                await self._wake.wait()
+                delay = SCAN_MIN_S
+            present = set(os.listdir(self.directory))
+            found = False
+            for name, future in list(self._waiting.items()):
+                if future.done():
+                    continue
+                if name in present:
+                    future.set_result(str(self.directory / name))
+                    found = True
+                elif f"{name}.error" in present:
+                    reason = (self.directory / f"{name}.error").read_text(errors="replace")
+                    (self.directory / f"{name}.error").unlink(missing_ok=True)
+                    future.set_exception(EngineStatesInvalid(f"the vLLM engine could not hand over states: {reason}"))
+                    found = True
+            delay = SCAN_MIN_S if found else min(delay * 2, SCAN_MAX_S)
+            await asyncio.sleep(delay)
+
+
+
+class EngineGate:
+    """Captures share the engine; a canary rerun has it alone. `exclusive` waits until the captures holding the
+    engine have finished and keeps new ones waiting (so a rerun cannot starve), then runs alone."""
+
+    def __init__(self) -> None:
+        self._condition = asyncio.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting_exclusive = 0
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._condition:
+            await self._condition.wait_for(lambda: not self._exclusive and not self._waiting_exclusive)
+            self._shared += 1
+        try:
+            yield
+        finally:
+            async with self._condition:
+                self._shared -= 1
+                self._condition.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._condition:
+            self._waiting_exclusive += 1
+            try:
+                await self._condition.wait_for(lambda: not self._exclusive and not self._shared)
+            finally:
+                self._waiting_exclusive -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            async with self._condition:
+                self._exclusive = False
+                self._condition.notify_all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine
+
+
+class VllmStateExtractor:
+    name = "vllm"
+    mode = "vllm"
+
+    def __init__(self, config: Config) -> None:
+        settings = config.extract.vllm
+        layout = read_layout(config.model.path)
+        refusal = vllm_refusal(layout.config)
+        if refusal:
+            raise UnsupportedArchitecture(f"{config.model.path}: {refusal}")
+        text: Any = layout.text_config
+        self.num_model_layers: int = int(text.num_hidden_layers)
+        self.hidden_size: int = int(text.hidden_size)
+        self.vocab_size: int = int(text.vocab_size)
+        self.layer_ids = resolve_layer_ids(
+            config.extract.layer_ids, self.num_model_layers, config.extract.num_draft_layers
+        )
+        self.captured: list[tuple[int, str]] = [(i, DECODER_OUTPUT) for i in self.layer_ids]
+        if config.extract.final_norm_state:
+            self.captured.append((self.num_model_layers - 1, FINAL_NORM))
+        wanted = aux_layer_ids(self.captured, self.num_model_layers)
+        self.aux_ids = sorted(set(wanted))
+        # Column of vLLM's states holding each captured entry (the final-norm entry: before its norm).
+        self._columns = torch.tensor([self.aux_ids.index(aux) for aux in wanted])
+        self._final_norm_entry = len(self.captured) - 1 if config.extract.final_norm_state else None
+        self.concurrent_tasks = settings.inflight_tasks
+        self.device = torch.device("cpu")  # states arrive in host memory
+        self.configured_tolerance = config.extract.canary_tolerance
+        self._captures = iter(range(1 << 62))
+        self._captures_lock = threading.Lock()
+
+        vllm_runtime.prepare_environment(settings)
+        self.transfer_dir = make_transfer_dir(transfer_base(settings.transfer_dir))
+        for setting, why in FORCED_SETTINGS:
+            log.info("vLLM extract engine: %s (%s)", setting, why)
+        if settings.enable_chunked_prefill:
+            log.info("vLLM extract engine: chunked prefill on; every sequence is checked whole before it is stored")
+        args = extract_engine_args(config, wanted, str(self.transfer_dir))
+        try:
+            self._resident = ResidentVllmEngine(args, settings, "vllm-extract-loop")
+        except BaseException:
+            shutil.rmtree(self.transfer_dir, ignore_errors=True)
+            raise
+        try:
+            model_config = self._resident.engine.model_config
+            self.dtype: torch.dtype = model_config.dtype
+            self.max_model_len: int = int(model_config.max_model_len)
+            self._final_norm = (
+                FinalNorm(config.model.path, self.dtype, layout) if config.extract.final_norm_state else None
+            )
+            self._gate, self._arrivals = self._resident.run(self._make_loop_objects())
+            self.calibrated_noise, self._tolerance = self._calibrate()
+        except BaseException:
+            self.close()
+            raise
+
+    async def _make_loop_objects(self) -> tuple[EngineGate, StatesArrivals]:
+        return EngineGate(), StatesArrivals(self.transfer_dir)  # asyncio objects, made on the engine's loop
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Extraction
+
+    def extract(self, requests: Sequence[ExtractionRequest]) -> list[torch.Tensor]:
+        return [captured.states for captured in self.capture(requests)]
+
+    def capture(
+        self,
+        requests: Sequence[ExtractionRequest],
+        *,
+        break_packing: bool = False,
+        deliver: Callable[[int, CapturedStates], None] | None = None,
+    ) -> list[CapturedStates]:
+        """States and statistics, one per request (request order), or each to `deliver(index, captured)` as soon
+        as the engine has finished its sequence (in the order they finish). Safe from several threads at once.
+
+        Raises EngineStatesInvalid (the task fails for good) when the engine's states cannot be the sequence's
+        own, NonFiniteHiddenStates naming the samples with NaN or infinite states (after the others were
+        delivered), GenerationRejected for a sequence the engine refuses (longer than its context).
+        `break_packing` concerns the Transformers engine's packing and is not used here.
+        """
+        for request in requests:
+            if not request.input_ids:
+                raise ValueError(f"sample {request.sample_id}: no input ids to extract")
+        out: list[CapturedStates | None] = [None] * len(requests)
+        hand_over = deliver or out.__setitem__
+        if not requests:
+            return []
+        with self._captures_lock:
+            capture = next(self._captures)
+        arrived: queue.Queue[tuple[int, str]] = queue.Queue()
+        running = self._resident.submit(self._run_all(capture, requests, arrived))
+        position = 1 if len(requests) > 1 else 0
+        nonfinite: list[str] = []
+        received = 0
+        try:
+            while received < len(requests):
+                try:
+                    index, path = arrived.get(timeout=0.2)
+                except queue.Empty:
+                    if running.done():
+                        running.result()  # raises what ended it early
+                    continue
+                received += 1
+                states = self._receive(requests[index], path)
+                stats = token_stats(states)
+                if not torch.isfinite(stats[..., 2]).all():
+                    nonfinite.append(requests[index].sample_id)
+                    continue
+                hand_over(index, CapturedStates(states, summarize(stats), position))
+            running.result()
+        except BaseException:
+            running.cancel()
+            self._remove_files(capture)
+            raise
+        if nonfinite:
+            raise NonFiniteHiddenStates(
+                f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
+                + ", ".join(nonfinite[:10]) + (" ..." if len(nonfinite) > 10 else ""),
+                sample_ids=tuple(nonfinite),
+            )
+        return [] if deliver else out  # type: ignore[return-value]
+
+    def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
+        """The states of `request` run as a batch of one: the engine is drained of other requests first, and
+        takes none until it is done. [T, K, H] on the CPU."""
+        with self._captures_lock:
+            capture = next(self._captures)
+        try:
+            path = self._resident.run(self._run_alone(capture, request))
+        except BaseException:
+            self._remove_files(capture)
+            raise
+        return self._receive(request, path)
+
+    def canary_tolerance(self) -> float:
+        return self._tolerance
+
+    async def _run_all(
+        self, capture: int, requests: Sequence[ExtractionRequest], arrived: queue.Queue[tuple[int, str]]
+    ) -> None:
+        async with self._gate.shared():
+            tasks = [
+                asyncio.create_task(self._run_one(f"c{capture}.{i}", request, arrived, i))
+                for i, request in enumerate(requests)
+            ]
+            await self._resident.gather_checked(tasks, "extracting hidden states")
+
+    async def _run_alone(self, capture: int, request: ExtractionRequest) -> str:
+        async with self._gate.exclusive():
+            return await self._run_one(f"c{capture}.0", request, None, 0, canary=True)
+
+    async def _run_one(
+        self,
+        request_id: str,
+        request: ExtractionRequest,
+        arrived: queue.Queue[tuple[int, str]] | None,
+        index: int,
+        *,
+        canary: bool = False,
+    ) -> str:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        engine = self._resident.engine
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            extra_args={"kv_transfer_params": {SAMPLE_PARAM: request.sample_id, CANARY_PARAM: canary}},
+        )
+        final = None
+        try:
+            async for output in engine.generate(token_prompt(engine, request.input_ids), params, request_id):
+                final = output
+        except EngineDeadError as exc:
+            raise EngineUnavailable(f"the vLLM engine died while extracting sample {request.sample_id}") from exc
+        except (VLLMClientError, ValueError) as exc:
+            raise GenerationRejected(f"sample {request.sample_id}: vLLM refused the sequence: {exc}") from exc
+        if final is None or not final.finished:
+            raise EngineUnavailable(f"sample {request.sample_id}: the vLLM engine returned no finished output")
+        path = (final.kv_transfer_params or {}).get(STATES_PATH_KEY)
+        if not path:
+            raise EngineStatesInvalid(
+                f"sample {request.sample_id}: the vLLM engine finished without handing over states (is the "
+                f"{CONNECTOR} connector loaded?)"
+            )
+        try:
+            await self._arrivals.wait(path, STATES_WAIT_S)
+        except TimeoutError:
+            if engine.errored:
+                raise EngineUnavailable("the vLLM engine died while handing over states") from None
+            raise EngineUnavailable(
+                f"sample {request.sample_id}: its states did not arrive in {STATES_WAIT_S:.0f} s"
+            ) from None
+        if arrived is not None:
+            arrived.put((index, path))
+        return path
+
+    def _receive(self, request: ExtractionRequest, path: str) -> torch.Tensor:
+        """The states the connector wrote for `request`, checked and in the captured entries' order: [T, K, H]."""
+        from safetensors.torch import load_file
+
+        try:
+            tensors = load_file(path)
+        finally:
+            Path(path).unlink(missing_ok=True)
+        states, tokens = tensors[STATES_TENSOR], tensors[TOKENS_TENSOR]
+        sample = request.sample_id
+        expected = torch.tensor(request.input_ids, dtype=tokens.dtype)
+        if tokens.shape != expected.shape or not torch.equal(tokens, expected):
+            raise EngineStatesInvalid(
+                f"sample {sample}: the vLLM engine returned the states of {tokens.numel()} other tokens for this "
+                f"sequence of {expected.numel()}"
+            )
+        shape = (expected.numel(), len(self.aux_ids), self.hidden_size)
+        if tuple(states.shape) != shape:
+            raise EngineStatesInvalid(
+                f"sample {sample}: the vLLM engine returned states of shape {tuple(states.shape)}, expected {shape} "
+                "(tokens, aux layers, hidden)"
+            )
+        unwritten = (states == 0).all(dim=-1)  # [T, aux]: a zeroed cache row the engine never wrote
+        if unwritten.any():
+            tokens_hit = unwritten.any(dim=1).nonzero().flatten()
+            layer = self.aux_ids[int(unwritten.any(dim=0).nonzero()[0])]
+            raise EngineStatesInvalid(
+                f"sample {sample}: the vLLM engine never wrote the states of {tokens_hit.numel()} of "
+                f"{expected.numel()} tokens (first token {int(tokens_hit[0])}, aux layer {layer}): all zero"
+            )
+        states = states.index_select(1, self._columns)
+        if self._final_norm is not None and self._final_norm_entry is not None:
+            states[:, self._final_norm_entry] = self._final_norm(states[:, self._final_norm_entry])
+        return states
+
+    def _remove_files(self, capture: int) -> None:
+        """Files of an abandoned capture: those already there (the connector may still write others; they go
+        with the directory when the engine stops)."""
+        for path in self.transfer_dir.glob(f"c{capture}.*"):
+            path.unlink(missing_ok=True)
+
+    # -----------------------------------------------------------------------------------------------------------
+    # Load-time calibration of the canary
+
+    def _calibrate(self) -> tuple[float, float]:
+        """(largest relative difference between probe sequences batched and alone, the canary's tolerance)."""
+        rng = random.Random(0)
+        lengths = [min(length, self.max_model_len - 1) for length in CALIBRATION_LENGTHS]
+        probes = [
+            ExtractionRequest(f"probe-{i}", [rng.randrange(self.vocab_size) for _ in range(length)])
+            for i, length in enumerate(lengths)
+        ]
+        started = time.perf_counter()
+        batched = self.capture(probes)
+        noise = 0.0
+        for probe, captured in zip(probes, batched):
+            noise = max(noise, compare_states(captured.states, self.reference_states(probe)).worst)
+        floor = TOLERANCE_FLOOR.get(self.dtype, 1e-2)
+        tolerance = self.configured_tolerance or max(CALIBRATION_FACTOR * noise, floor)
+        log.info(
+            "vLLM extract engine: probe sequences batched vs alone differ by %.2e relative (%s); canary tolerance "
+            "%.2e%s (%.1f s)",
+            noise, str(self.dtype).removeprefix("torch."), tolerance,
+            " (extract.canary_tolerance)" if self.configured_tolerance else "",
+            time.perf_counter() - started,
+        )
+        return noise, tolerance
+
+    def close(self) -> None:
+        resident = getattr(self, "_resident", None)
+        try:
+            if resident is not None:
+                resident.close()  # stopping its loop cancels the arrivals' scanner too
+        finally:
+            shutil.rmtree(self.transfer_dir, ignore_errors=True)

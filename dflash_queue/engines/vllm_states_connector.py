@@ -1,0 +1,349 @@
+"""The KV connector that takes each sequence's hidden states out of vLLM (loaded inside vLLM's own processes).
+
+vLLM's `extract_hidden_states` speculative method writes, at every engine step, the residual stream before the
+requested layers ("aux" layer ids) of every scheduled token into a cache group of its own ([blocks, K,
+block_size, H]). When a request finishes, the scheduler side of this connector keeps its blocks from being freed
+and hands their ids to the worker side in the next step's metadata; the worker side (tensor-parallel rank 0
+only: every rank holds the same residual stream) gathers the sequence's rows and writes them, with the token ids,
+as one safetensors file in the engine's transfer directory, a tmpfs (`extract.vllm.transfer_dir`): memory shared
+with the extract worker, which reads it, checks it and removes it. The file appears whole (written under a
+temporary name, then renamed); a write that fails leaves `<name>.error` with the reason instead.
+
+Wholeness: the blocks of the hidden-state group are zeroed when the scheduler allocates them, before the forward
+pass that first writes them (`bind_connector_metadata`). A token whose state the engine never wrote is then an
+all-zero row, which the extract worker refuses (see engines/vllm_extract.py). That makes chunked prefill and
+preemption safe to use: a sequence whose states are not whole never reaches a shard.
+
+On CUDA the rows are gathered on a side stream into pinned host memory and written by a thread, and the blocks
+are released once the copy is done; on CPU both happen in the step.
+
+Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": bool}, set by the worker).
+Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
+unwritten, shift by one token or swap the states of named samples, to prove that the worker's checks catch what such bugs would store. The canary's reruns
+of a sample alone are never altered: the faults stand for batching bugs, which a batch of one does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import save_file
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+# The key of kv_transfer_params (in the request's output) that names the file holding its states.
+STATES_PATH_KEY = "dfq_states_path"
+# Keys of kv_connector_extra_config.
+TRANSFER_DIR_KEY = "transfer_dir"
+FAULTS_KEY = "faults"
+# Keys of a request's kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]).
+SAMPLE_PARAM = "sample"
+CANARY_PARAM = "canary"
+STATES_TENSOR = "hidden_states"
+TOKENS_TENSOR = "token_ids"
+
+
+def states_file(transfer_dir: str, request_id: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_.@" else "_" for c in request_id)[:200]
+    return os.path.join(transfer_dir, f"{safe}.safetensors")
+
+
+@dataclass
+class StatesTransfer:
+    """A finished sequence whose states go to the worker."""
+
+    request_id: str
+    path: str
+    block_ids: list[int]
+    token_ids: list[int]
+    sample: str = ""
+    canary: bool = False
+
+
+@dataclass
+class HiddenStatesMetadata(KVConnectorMetadata):
+    transfers: list[StatesTransfer] = field(default_factory=list)
+    # Blocks of the hidden-state group allocated in this step: zeroed before its forward pass.
+    new_blocks: list[int] = field(default_factory=list)
+
+
+def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
+    """Index of the KV-cache group that holds the hidden states (found by its spec type)."""
+    if kv_cache_config is None:
+        return 0
+    from vllm.v1.kv_cache_interface import HiddenStateCacheSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    found = [i for i, group in enumerate(groups) if isinstance(group.kv_cache_spec, HiddenStateCacheSpec)]
+    if len(found) == 1:
+        return found[0]
+    if not found and len(groups) == 1:
+        return 0
+    raise ValueError(
+        f"cannot tell which of {len(groups)} KV-cache groups holds the hidden states: the extract_hidden_states "
+        "layer must have a group of its own (MLA targets are not supported)"
+    )
+
+
+class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if vllm_config.speculative_config is None:
+            raise ValueError("HiddenStatesConnector needs the 'extract_hidden_states' speculative method")
+        self._group = hidden_state_group(kv_cache_config)
+        if kv_cache_config is not None:
+            self._block_size = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec.block_size
+        else:
+            self._block_size = vllm_config.cache_config.block_size
+        transfer = self._kv_transfer_config
+        self._dir = str(transfer.get_from_extra_config(TRANSFER_DIR_KEY, ""))
+        if not self._dir:
+            raise ValueError(f"HiddenStatesConnector needs kv_connector_extra_config[{TRANSFER_DIR_KEY!r}]")
+        self._faults: dict[str, Any] = dict(transfer.get_from_extra_config(FAULTS_KEY, None) or {})
+        # Scheduler side.
+        self._scheduled: set[str] = set()
+        self._finished: list[StatesTransfer] = []
+        # Worker side.
+        self._cache: torch.Tensor | None = None
+        self._writer = True  # tensor-parallel rank 0; set in register_kv_caches
+        self._copies: dict[str, Any] = {}  # request id -> CUDA event of its device-to-host copy (None: done)
+        self._held: dict[str, tuple[StatesTransfer, torch.Tensor]] = {}  # a swap fault's first half
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False  # nothing is ever loaded
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = HiddenStatesMetadata(transfers=self._finished)
+        self._finished = []
+        for new in scheduler_output.scheduled_new_reqs:
+            self._scheduled.add(new.req_id)
+            meta.new_blocks.extend(new.block_ids[self._group])
+        for blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if blocks is not None:
+                meta.new_blocks.extend(blocks[self._group])
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        request_id = request.request_id
+        if request_id not in self._scheduled:
+            return False, None  # aborted before it was ever scheduled: nothing was computed
+        self._scheduled.discard(request_id)
+        if request.status == RequestStatus.FINISHED_ABORTED or request.prompt_token_ids is None:
+            return False, None  # nobody waits for these states
+        path = states_file(self._dir, request_id)
+        params = request.kv_transfer_params or {}
+        self._finished.append(
+            StatesTransfer(
+                request_id,
+                path,
+                list(block_ids),
+                list(request.prompt_token_ids),
+                sample=str(params.get(SAMPLE_PARAM, "")),
+                canary=bool(params.get(CANARY_PARAM, False)),
+            )
+        )
+        return True, {STATES_PATH_KEY: path}
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if not 0 <= self._group < len(block_ids):
+            return False, None
+        return self.request_finished(request, block_ids[self._group])
+
+    def get_finished_count(self) -> int:
+        return 1  # only tensor-parallel rank 0 sends
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
+
+        self._writer = get_tensor_model_parallel_rank() == 0
+        layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
+        if len(layers) != 1:
+            raise ValueError(f"expected one hidden-state cache layer, found {len(layers)}: {layers}")
+        cache = kv_caches[layers[0]]
+        if cache.dim() != 4 or cache.shape[2] != self._block_size:
+            raise ValueError(
+                f"hidden-state cache of shape {tuple(cache.shape)}: expected [blocks, layers, {self._block_size}, "
+                "hidden]; the rows read would be the wrong ones"
+            )
+        self._cache = cache
+        if cache.is_cuda:
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dfq-states")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if not self._writer or self._cache is None or not isinstance(connector_metadata, HiddenStatesMetadata):
+            return
+        if connector_metadata.new_blocks:
+            # Queued before this step's forward pass, on the stream it runs on.
+            blocks = torch.tensor(connector_metadata.new_blocks, dtype=torch.long, device=self._cache.device)
+            self._cache.index_fill_(0, blocks, 0)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # the states are in the cache already; they are taken out when the request finishes
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._writer:
+            return None, None
+        if self.has_connector_metadata():
+            metadata = self._get_connector_metadata()
+            if isinstance(metadata, HiddenStatesMetadata):
+                for transfer in metadata.transfers:
+                    self._send(transfer)
+        done = set()
+        for request_id, event in list(self._copies.items()):
+            if event is None or event.query():
+                del self._copies[request_id]
+                done.add(request_id)
+        return done or None, None
+
+    def _gather(self, transfer: StatesTransfer) -> torch.Tensor:
+        """The sequence's rows of the cache: [tokens, K, H] (on the cache's device)."""
+        assert self._cache is not None
+        blocks = torch.tensor(transfer.block_ids, dtype=torch.long)
+        offsets = torch.arange(self._block_size, dtype=torch.long)
+        slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()[: len(transfer.token_ids)]
+        if len(slots) < len(transfer.token_ids):
+            raise ValueError(
+                f"request {transfer.request_id}: {len(transfer.block_ids)} blocks hold {len(slots)} states for "
+                f"{len(transfer.token_ids)} tokens"
+            )
+        slots = slots.to(self._cache.device, non_blocking=True)
+        return self._cache[slots // self._block_size, :, slots % self._block_size]
+
+    def _send(self, transfer: StatesTransfer) -> None:
+        try:
+            states = self._apply_faults(transfer, self._gather(transfer))
+        except Exception as exc:  # the worker must learn why its states never came
+            _write_error(transfer.path, f"gathering the states failed: {type(exc).__name__}: {exc}")
+            self._copies[transfer.request_id] = None
+            return
+        if states is None:  # held back by a swap fault until its partner finishes
+            return
+        tokens = torch.tensor(transfer.token_ids, dtype=torch.int64)
+        if self._cache is not None and self._cache.is_cuda:
+            self._copy_and_write_async(transfer, states, tokens)
+        else:
+            _write_states(transfer.path, states.clone(), tokens)
+            self._copies[transfer.request_id] = None
+
+    def _copy_and_write_async(self, transfer: StatesTransfer, states: torch.Tensor, tokens: torch.Tensor) -> None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        computed = torch.cuda.Event()
+        computed.record()  # the forward passes that wrote the cache, on the current stream
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(computed)
+            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+            host.copy_(states, non_blocking=True)
+            states.record_stream(self._stream)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        self._copies[transfer.request_id] = copied
+        assert self._pool is not None
+
+        def write() -> None:
+            copied.synchronize()
+            _write_states(transfer.path, host, tokens)
+
+        self._pool.submit(write)
+
+    def _apply_faults(self, transfer: StatesTransfer, states: torch.Tensor) -> torch.Tensor | None:
+        if not self._faults or transfer.canary:
+            return states
+        sample = transfer.sample
+        if sample in self._faults.get("zero", ()):
+            return torch.zeros_like(states)
+        if sample in self._faults.get("constant", ()):
+            return torch.full_like(states, 0.5)
+        if sample in self._faults.get("drop_tail", ()):  # the last half of the rows never written
+            states = states.clone()
+            states[len(states) // 2 :] = 0
+            return states
+        if sample in self._faults.get("shift", ()):
+            return torch.roll(states, shifts=1, dims=0)
+        for pair in self._faults.get("swap", ()):
+            if sample in pair:
+                partner = next(s for s in pair if s != sample)
+                if partner not in self._held:
+                    self._held[sample] = (transfer, states.clone())
+                    self._copies[transfer.request_id] = None
+                    return None
+                other, other_states = self._held.pop(partner)
+                tokens = torch.tensor(other.token_ids, dtype=torch.int64)
+                _write_states(other.path, states.clone(), tokens)
+                return other_states
+        return states
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return "LBNHC"  # each token's K states together, as the gather above reads them
+
+
+def _write_states(path: str, states: torch.Tensor, tokens: torch.Tensor) -> None:
+    """The file appears whole or not at all; a failure leaves `<path>.error` with the reason."""
+    partial = f"{path}.partial"
+    try:
+        save_file({STATES_TENSOR: states.contiguous(), TOKENS_TENSOR: tokens}, partial)
+        os.replace(partial, path)
+    except Exception as exc:
+        _write_error(path, f"writing {path} failed: {type(exc).__name__}: {exc}")
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+
+
+def _write_error(path: str, message: str) -> None:
+    log.error("%s", message)
+    try:
+        with open(f"{path}.error", "w") as out:
+            out.write(message)
+    except OSError:
+        log.exception("cannot leave the error beside %s", path)
