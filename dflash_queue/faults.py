@@ -7,11 +7,12 @@ A JSON object, read once per process:
   {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
   {"extract_break_packing": true}           the extract lane's packed sequences see each other (after the
                                             engine's load probe), so that the run-time canary must catch it
-  {"extract_vllm_states": {"zero": [id], "constant": [id], "drop_tail": [id], "shift": [id], "swap": [[id, id]]}}
+  {"extract_vllm_states": {"zero": [id], "constant": [id], "drop_tail": [id], "shift": [id],
+                           "swap": [[id, id]], "other_tokens": [id]}}
                                             the vLLM engine's KV connector zeroes, makes constant, leaves the last
-                                            half unwritten, shifts by one token or swaps these samples' states
-                                            (never in the canary's reruns alone), so that the checks that must
-                                            catch such bugs are seen to
+                                            half unwritten, shifts by one token or swaps these samples' states, or
+                                            hands them over with other token ids (never in the canary's reruns
+                                            alone), so that the checks that must catch such bugs are seen to
 
 Unset (always, in production), every check is a no-op.
 """

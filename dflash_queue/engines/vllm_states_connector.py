@@ -19,7 +19,7 @@ are released once the copy is done; on CPU both happen in the step.
 
 Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": bool}, set by the worker).
 Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
-unwritten, shift by one token or swap the states of named samples, to prove that the worker's checks catch what such bugs would store. The canary's reruns
+unwritten, shift by one token or swap the states of named samples, or hand them over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
 of a sample alone are never altered: the faults stand for batching bugs, which a batch of one does not have.
 """
 
@@ -304,6 +304,9 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return states
         if sample in self._faults.get("shift", ()):
             return torch.roll(states, shifts=1, dims=0)
+        if sample in self._faults.get("other_tokens", ()):  # another sequence's states handed over for this one
+            transfer.token_ids = transfer.token_ids[::-1]
+            return states
         for pair in self._faults.get("swap", ()):
             if sample in pair:
                 partner = next(s for s in pair if s != sample)

@@ -42,6 +42,7 @@ FAULTS = {
     "drop_tail": ["fault-tail"],
     "shift": ["fault-shift"],
     "swap": [["fault-swap-a", "fault-swap-b"]],
+    "other_tokens": ["fault-tokens"],
 }
 
 
@@ -235,6 +236,29 @@ def test_states_half_unwritten_fail_the_task(config, extractor):
     with pytest.raises(EngineStatesInvalid, match=r"sample fault-tail: the vLLM engine never wrote the states of 75 "
                                                    r"of 150 tokens \(first token 75,"):
         run_lane(config, extractor, "vllm-tail")
+
+
+def test_states_handed_over_for_other_tokens_fail_the_task(config, extractor):
+    write_completions(config, "vllm-tokens", {**NORMAL, "fault-tokens": 50})
+    with pytest.raises(EngineStatesInvalid, match=r"sample fault-tokens: the vLLM engine returned the states of 50 "
+                                                   r"other tokens for this sequence of 50"):
+        run_lane(config, extractor, "vllm-tokens")
+
+
+def test_the_connector_zeroes_the_blocks_the_scheduler_hands_out_before_the_step_writes_them():
+    """What makes an unwritten state show as an all-zero row (see the tests above): blocks reused from earlier
+    requests are zeroed when a request is given them, before the forward pass that first writes them."""
+    from dflash_queue.engines.vllm_states_connector import HiddenStatesConnector, HiddenStatesMetadata
+
+    connector = object.__new__(HiddenStatesConnector)  # the worker side alone, without a vLLM config
+    connector._connector_metadata = None
+    connector._writer = True
+    connector._cache = torch.ones(6, 3, 4, 8)  # [blocks, aux layers, block size, hidden]: stale states
+    connector.bind_connector_metadata(HiddenStatesMetadata(new_blocks=[1, 4]))
+    assert connector._cache[[1, 4]].eq(0).all() and connector._cache[[0, 2, 3, 5]].eq(1).all()
+    connector._writer = False  # another tensor-parallel rank: its cache is never read
+    connector.bind_connector_metadata(HiddenStatesMetadata(new_blocks=[0]))
+    assert connector._cache[0].eq(1).all()
 
 
 def test_constant_states_fail_the_plausibility_check(config, extractor):

@@ -1,0 +1,186 @@
+"""The vLLM extract engine's parts that need no engine: layer conventions and engine arguments, which targets vLLM
+can extract exactly, the final norm from the checkpoint's weights, the transfer directory, the arrival of states
+and the gate that lets a canary rerun have the engine alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dflash_queue import faults
+from dflash_queue.engines.vllm_extract import (
+    CONNECTOR,
+    CONNECTOR_MODULE,
+    EngineGate,
+    StatesArrivals,
+    aux_layer_ids,
+    extract_engine_args,
+    make_transfer_dir,
+)
+from dflash_queue.errors import EngineStatesInvalid
+from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
+
+
+def test_decoder_layer_i_is_vllms_aux_layer_i_plus_one_and_the_final_norm_comes_from_aux_layer_n():
+    captured = [(0, DECODER_OUTPUT), (61, DECODER_OUTPUT), (16, DECODER_OUTPUT), (63, FINAL_NORM)]
+    assert aux_layer_ids(captured, 64) == [1, 62, 17, 64]
+
+
+def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
+    config = make_config(
+        extract={"engine": "vllm", "layer_ids": [4, 0], "final_norm_state": True},
+        **{"extract.vllm": {"tensor_parallel_size": 2, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}},
+    )
+    monkeypatch.delenv(faults.ENV, raising=False)
+    faults._faults.cache_clear()
+    args = extract_engine_args(config, [5, 1, 6], "/dev/shm/x")
+    assert args["enable_prefix_caching"] is False
+    assert args["pipeline_parallel_size"] == 1 and args["tensor_parallel_size"] == 2
+    assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 4096
+    speculative = args["speculative_config"]
+    assert speculative["method"] == "extract_hidden_states" and speculative["num_speculative_tokens"] == 1
+    # vLLM caches its aux layers sorted and distinct: the engine is asked for them so.
+    assert speculative["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 5, 6]
+    transfer = args["kv_transfer_config"]
+    assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (CONNECTOR, CONNECTOR_MODULE)
+    assert transfer["kv_connector_extra_config"] == {"transfer_dir": "/dev/shm/x"}  # no faults unless injected
+    monkeypatch.setenv(faults.ENV, json.dumps({"extract_vllm_states": {"zero": ["a"]}}))
+    faults._faults.cache_clear()
+    try:
+        injected = extract_engine_args(config, [1], "/dev/shm/x")["kv_transfer_config"]["kv_connector_extra_config"]
+    finally:
+        faults._faults.cache_clear()
+    assert injected["faults"] == {"zero": ["a"]}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(
+    ("family", "refused"),
+    [
+        ("qwen3", None),
+        ("qwen3_moe", None),
+        ("mistral", None),
+        ("gpt_oss", None),
+        ("gemma3_text", "does not hand out the residual stream of its layers (no EAGLE-3 aux hidden states)"),
+    ],
+)
+def test_vllm_refuses_targets_it_cannot_extract_exactly(tiny_family, family, refused):
+    from transformers import AutoConfig
+
+    from dflash_queue.engines.vllm_support import vllm_refusal
+
+    refusal = vllm_refusal(AutoConfig.from_pretrained(tiny_family(family)))
+    if refused is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and refused in refusal and 'extract.engine = "transformers"' in refusal
+
+
+def test_gpt_oss_whose_windows_are_not_on_every_other_layer_is_refused():
+    """vLLM's gpt-oss places sliding windows on layers 0, 2, 4, ... whatever config.layer_types says."""
+    from transformers import GptOssConfig
+
+    from dflash_queue.engines.vllm_support import vllm_refusal
+
+    kinds = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    config = GptOssConfig(num_hidden_layers=4, layer_types=kinds, architectures=["GptOssForCausalLM"])
+    assert "whatever config.layer_types says" in (vllm_refusal(config) or "")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text", "qwen3_5"])
+def test_the_final_norm_is_the_checkpoints_own_module_and_weights(tiny_family, family):
+    """Gemma scales by 1 + weight, Qwen3.5's norm sits under the multimodal checkpoint's language model: each
+    family's own class and weights (randomised, so that another formula or another weight shows)."""
+    from dflash_queue.engines.final_norm import FinalNorm
+    from dfq_testing.references import reference_model
+
+    path = tiny_family(family)
+    model = reference_model(path)
+    norm = model.get_decoder().norm
+    assert norm.weight.std() > 0.1
+    states = torch.randn(9, norm.weight.shape[0]) * 3
+    torch.testing.assert_close(FinalNorm(str(path), torch.float32)(states), norm(states), rtol=0, atol=0)
+
+
+def test_a_transfer_directory_is_the_engines_own_and_dead_processes_ones_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    first = make_transfer_dir(tmp_path)
+    host = first.name.split("-")[2]
+    left = tmp_path / f"dfq-states-{host}-{pid}-0abc"
+    left.mkdir()
+    (left / "c1.0-x.safetensors").write_bytes(b"states")
+    other_host = tmp_path / f"dfq-states-elsewhere-{pid}-0abc"
+    other_host.mkdir()
+    second = make_transfer_dir(tmp_path)
+    assert not left.exists()  # its process is gone
+    assert first.is_dir() and second.is_dir() and first != second  # this process's engines: both kept
+    assert other_host.is_dir()  # another host's: not this host's to judge
+
+
+def test_states_arrive_when_their_file_appears_whole_or_fail_with_the_connectors_reason(tmp_path):
+    async def scenario():
+        arrivals = StatesArrivals(tmp_path)
+        waiting = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.0.safetensors"), timeout=5))
+        failing = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.1.safetensors"), timeout=5))
+        late = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.2.safetensors"), timeout=0.2))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        (tmp_path / "c0.0.safetensors.partial").write_bytes(b"x")  # being written: not there yet
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        os.replace(tmp_path / "c0.0.safetensors.partial", tmp_path / "c0.0.safetensors")
+        (tmp_path / "c0.1.safetensors.error").write_text("writing failed: No space left on device")
+        assert await waiting == str(tmp_path / "c0.0.safetensors")
+        with pytest.raises(EngineStatesInvalid, match="No space left on device"):
+            await failing
+        with pytest.raises(TimeoutError):
+            await late
+
+    asyncio.run(scenario())
+
+
+def test_a_canary_rerun_waits_for_the_captures_holding_the_engine_and_keeps_new_ones_waiting():
+    async def scenario():
+        gate = EngineGate()
+        events: list[str] = []
+        release_first = asyncio.Event()
+
+        async def capture(name: str, hold: asyncio.Event | None = None):
+            async with gate.shared():
+                events.append(f"{name} in")
+                if hold is not None:
+                    await hold.wait()
+                else:
+                    await asyncio.sleep(0.01)
+                events.append(f"{name} out")
+
+        async def canary():
+            async with gate.exclusive():
+                events.append("canary in")
+                await asyncio.sleep(0.01)
+                events.append("canary out")
+
+        first = asyncio.create_task(capture("first", release_first))
+        second = asyncio.create_task(capture("second"))
+        await asyncio.sleep(0.005)
+        rerun = asyncio.create_task(canary())
+        await asyncio.sleep(0.005)
+        third = asyncio.create_task(capture("third"))
+        await asyncio.sleep(0.05)
+        assert "canary in" not in events and "third in" not in events  # first still holds the engine
+        release_first.set()
+        await asyncio.gather(first, second, rerun, third)
+        return events
+
+    events = asyncio.run(scenario())
+    # Captures overlap each other; the rerun runs alone, after the first two and before the third.
+    assert events.index("second in") < events.index("first out")
+    assert events.index("canary in") > max(events.index("first out"), events.index("second out"))
+    assert events.index("canary out") < events.index("third in")
