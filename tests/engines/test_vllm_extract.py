@@ -119,6 +119,10 @@ def test_the_engine_caches_the_aux_layers_vllm_numbers_and_puts_them_back_in_the
     # Layer i's output is vLLM's aux id i + 1; the final norm is computed from aux id N (the same as layer N - 1).
     assert extractor.aux_ids == [1, 3, 5, 6]
     assert extractor.mode == "vllm" and extractor.name == "vllm" and extractor.dtype == torch.float32
+    scheduler = extractor._resident.engine.vllm_config.scheduler_config
+    # Sequences longer than a step are prefilled in chunks; prefix caching is off whatever the settings.
+    assert scheduler.enable_chunked_prefill and scheduler.max_num_batched_tokens == STEP_TOKENS
+    assert not extractor._resident.engine.vllm_config.cache_config.enable_prefix_caching
 
 
 def test_states_equal_the_checkpoints_own_forward_of_each_sequence_alone(extractor, model):

