@@ -33,6 +33,7 @@ from dflash_queue.training import ShardDataset
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.families import FAMILIES, NUM_LAYERS
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.processes import descendants, describe, survivors
 from dfq_testing.references import reference_model, reference_states
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,3 +135,25 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
         assert torch.equal(got["input_ids"], expected["input_ids"]) and torch.equal(got["loss_mask"], expected["loss_mask"])
         # Each within 1e-5 of the truth per element (above); between them, the relative L2 error per layer.
         assert compare_states(got["hidden_states"], expected["hidden_states"]).worst <= 1e-5
+
+
+def test_an_extract_worker_on_vllm_stops_warmly_leaving_no_process_and_no_transfer_directory(
+    make_config, start_worker
+):
+    """SIGTERM (what systemd sends): vLLM's processes exit with the worker and the engine's tmpfs directory goes."""
+    config = make_config(
+        model={"dtype": "float32"},
+        extract={"engine": "vllm", "hidden_dtype": "float32"},
+        **{"extract.vllm": {"dtype": "float32", "max_model_len": 1024, "enforce_eager": True,
+                            "kv_cache_memory_gib": 0.5, "log_stats_interval_s": 0, "shutdown_timeout_s": 30}},
+    )
+    worker = start_worker(config, "extract")
+    tree = descendants(worker.pid)
+    assert any("EngineCore" in p.name() for p in tree), describe(tree)
+    transfer = list(Path("/dev/shm").glob(f"dfq-states-*-{worker.pid}-*"))
+    assert len(transfer) == 1 and transfer[0].is_dir()
+    worker.terminate()
+    assert worker.process.wait(timeout=300) == 0, worker.log_tail()
+    left = survivors(tree, timeout=60)
+    assert not left, f"processes outlived the worker: {describe(left)}"
+    assert not transfer[0].exists()
