@@ -300,3 +300,18 @@ def test_a_sequence_longer_than_the_engines_context_is_dead_lettered_alone(confi
     assert "vLLM refused the sequence" in str(summary.poisoned[0][1])
     with storage.local_copy(shard_key("vllm-long")) as path:
         assert sorted(TrainingShard(path).sample_ids) == sorted(NORMAL)
+
+
+def test_an_engine_that_died_fails_the_capture_as_unavailable(extractor):
+    """Last in the module: it kills the module's engine. The worker then stops and hands its tasks back (see
+    queue/worker.py); a capture must not wait for states that will never come."""
+    import psutil
+
+    from dflash_queue.errors import EngineUnavailable
+
+    cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()]
+    assert cores
+    for process in cores:
+        process.kill()
+    with pytest.raises(EngineUnavailable):
+        extractor.capture(random_requests([300, 200, 100], "dying"))
