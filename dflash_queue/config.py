@@ -143,6 +143,13 @@ class Config(Section):
             return self.dataset.max_model_len
         return _model_max_positions(self.model.path)
 
+    def extract_context_len(self) -> int:
+        """The vLLM extract engine's max_model_len: extract.vllm.max_model_len, else the longest sequence staging
+        admits plus the one token vLLM samples after it, within the model's own context."""
+        if self.extract.vllm.max_model_len:
+            return self.extract.vllm.max_model_len
+        return min(self.max_model_len() + 1, _model_max_positions(self.model.path))
+
     def with_overrides(self, **sections: dict[str, Any]) -> Config:
         """A copy with some keys replaced, validated like a loaded file."""
         data = self.model_dump(mode="python")

@@ -178,6 +178,30 @@ def test_max_model_len_comes_from_the_model_unless_set(tmp_path, model_dir):
     assert explicit.max_model_len() == 8192
 
 
+def test_the_vllm_extract_engines_context_holds_the_longest_sequence_and_the_token_vllm_samples(tmp_path, model_dir):
+    (model_dir / "config.json").write_text('{"num_hidden_layers": 4, "max_position_embeddings": 32768}')
+    staged_up_to = {**base(model_dir), "dataset": {"max_model_len": 8192}}
+    assert load_config(write(tmp_path, staged_up_to), env={}).extract_context_len() == 8193
+    # The model's whole context: no room for one more token, within the model's own positions.
+    assert load_config(write(tmp_path, base(model_dir)), env={}).extract_context_len() == 32768
+    explicit = {**staged_up_to, "extract.vllm": {"max_model_len": 4096}}
+    assert load_config(write(tmp_path, explicit), env={}).extract_context_len() == 4096
+
+
+def test_extract_engine_settings_that_corrupt_states_are_refused_with_the_reason(tmp_path, model_dir):
+    refused = [
+        ({"pipeline_parallel_size": 2}, "extract.vllm.pipeline_parallel_size", "vLLM #36151"),
+        ({"kv_cache_dtype": "fp8"}, "extract.vllm.kv_cache_dtype", "a quantized KV cache changes every hidden state"),
+    ]
+    for settings, key, words in refused:
+        path = write(tmp_path, {**base(model_dir), "extract": {"engine": "vllm"}, "extract.vllm": settings})
+        with pytest.raises(ConfigError) as info:
+            load_config(path, env={})
+        assert f"  {key}: " in str(info.value) and words in str(info.value)
+    fine = {**base(model_dir), "extract": {"engine": "vllm"}, "extract.vllm": {"kv_cache_dtype": "bfloat16"}}
+    assert load_config(write(tmp_path, fine), env={}).extract.vllm.kv_cache_dtype == "bfloat16"
+
+
 # -- [storage], [storage.s3], [storage.uploader] --------------------------------------------------------------
 
 

@@ -90,6 +90,11 @@ class ExtractVllmConfig(VllmEngineSettings):
     """Long sequences prefilled over several engine steps. Safe here: the cache blocks that hold each sequence's
     states are zeroed when allocated and every sequence is checked whole (no token left unwritten) before it is
     stored."""
+    max_model_len: Annotated[int, Field(ge=0)] = 0
+    """The engine's context. vLLM refuses a sequence that leaves no room for the one token it samples after it, so
+    0 means the longest sequence staging admits (dataset.max_model_len, else the model's context) plus one, within
+    the model's own context (where a sequence filling the model's whole context is dead-lettered with vLLM's
+    reason). A smaller value refuses longer sequences the same way."""
     inflight_tasks: PositiveInt = 2
     """Tasks a worker runs at once against its one engine, so that the engine stays full while a shard's last
     sequences finish and its shard is written."""

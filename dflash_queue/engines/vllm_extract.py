@@ -110,6 +110,7 @@ def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: st
         extra[FAULTS_KEY] = injected
     return {
         **common_engine_args(config, settings),
+        "max_model_len": config.extract_context_len(),
         "enable_prefix_caching": False,  # see vllm_support.FORCED_SETTINGS
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "kv_cache_dtype": settings.kv_cache_dtype,

@@ -118,15 +118,25 @@ def _extract_slots(config: Config) -> int:
 
 
 def _extract_warnings(config: Config, slots: int) -> list[str]:
+    if config.extract.engine != "vllm":
+        return []
+    warnings = []
     computing = _extract_compute_slots(config)
     pending = config.storage.uploader.max_pending
-    if computing <= 1 or pending >= computing:
-        return []
-    return [
-        f"storage.uploader.max_pending ({pending}) is below extract.vllm.inflight_tasks ({computing}): a task "
-        f"holds a staging slot while it computes, so at most {pending} tasks feed the engine at once; raise "
-        "storage.uploader.max_pending"
-    ]
+    if computing > 1 and pending < computing:
+        warnings.append(
+            f"storage.uploader.max_pending ({pending}) is below extract.vllm.inflight_tasks ({computing}): a task "
+            f"holds a staging slot while it computes, so at most {pending} tasks feed the engine at once; raise "
+            "storage.uploader.max_pending"
+        )
+    context, longest = config.extract_context_len(), config.max_model_len()
+    if context <= longest:
+        warnings.append(
+            f"the vLLM extract engine's context ({context} tokens) holds sequences of at most {context - 1} "
+            f"tokens (it samples one token after each); staging admits {longest}: longer samples will be "
+            "dead-lettered"
+        )
+    return warnings
 
 
 def _generate_warnings(config: Config, slots: int) -> list[str]:

@@ -34,6 +34,7 @@ def test_decoder_layer_i_is_vllms_aux_layer_i_plus_one_and_the_final_norm_comes_
 
 def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
     config = make_config(
+        dataset={"max_model_len": 1000},
         extract={"engine": "vllm", "layer_ids": [4, 0], "final_norm_state": True},
         **{"extract.vllm": {"tensor_parallel_size": 2, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}},
     )
@@ -41,6 +42,7 @@ def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
     faults._faults.cache_clear()
     args = extract_engine_args(config, [5, 1, 6], "/dev/shm/x")
     assert args["enable_prefix_caching"] is False
+    assert args["max_model_len"] == 1001  # the longest staged sequence and the one token vLLM samples after it
     assert args["pipeline_parallel_size"] == 1 and args["tensor_parallel_size"] == 2
     assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 4096
     speculative = args["speculative_config"]

@@ -74,3 +74,22 @@ def test_dead_letters_and_requeue_name_the_lane_of_the_task(redis_url):
 def test_a_process_without_a_worker_runtime_says_how_to_start_one():
     with pytest.raises(RuntimeError, match="start workers with `dflash-queue worker`"):
         LaneApp("nothing-attached").runtime()
+
+
+def test_extract_task_slots_and_start_up_warnings_follow_the_engine(make_config):
+    transformers = make_config()
+    assert EXTRACT.default_slots(transformers) == 1 + transformers.storage.uploader.max_pending
+    assert EXTRACT.startup_warnings(transformers, 3) == []
+    vllm = make_config(
+        "vllm.toml",
+        dataset={"max_model_len": 2048},
+        extract={"engine": "vllm"},
+        **{"extract.vllm": {"inflight_tasks": 3}, "storage.uploader": {"max_pending": 2, "parallel_uploads": 1}},
+    )
+    assert EXTRACT.default_slots(vllm) == 3 + 2
+    (slots,) = EXTRACT.startup_warnings(vllm, 5)
+    assert "max_pending (2) is below extract.vllm.inflight_tasks (3)" in slots
+    short = make_config("short.toml", dataset={"max_model_len": 2048}, extract={"engine": "vllm"},
+                        **{"extract.vllm": {"max_model_len": 2048}})
+    (context,) = EXTRACT.startup_warnings(short, 4)
+    assert "context (2048 tokens) holds sequences of at most 2047 tokens" in context and "staging admits 2048" in context
