@@ -1,0 +1,453 @@
+#!/usr/bin/env python
+"""Extract-lane throughput of the two engines, Transformers and vLLM, on the same shards and model, in one run.
+
+The same completions shards (random token ids, prompt + completion lengths log-uniform in --min-len..--max-len)
+are extracted by each engine into a store of its own. For each engine:
+
+  tokens/s       the tokens of every measured shard over the wall time of `ExtractLane.run` over them, as a
+                 worker runs its tasks (as many threads as the lane's default task slots: one computing on the
+                 Transformers model and `extract.vllm.inflight_tasks` on vLLM, plus the uploader's pending ones;
+                 local storage). Engine load and one 2-sample warm-up shard are not timed;
+  peak memory    the largest RSS of the engine's whole process tree (its process and every descendant: vLLM's
+                 engine runs in child processes), sampled every 50 ms from outside while it runs, load included;
+  canary         --canary-measured samples of at most the median length rerun alone after the timed part
+                 (`reference_states`, as the lane's canary does: through the model's own attention, or as a batch
+                 of one through the vLLM engine; each sample's best of 3 passes), their time per token over the engine's
+                 batched time per token, and the share of a shard's extract time `extract.canary_samples` such
+                 samples cost (a canary runs E[len | len <= median] / mean(len) of the average sample's tokens).
+
+Each engine runs in a subprocess of its own (this script with --child), so that neither engine's memory stays
+in the other's process; rounds alternate which engine goes first and the ratio vllm/transformers is that of the
+median tokens/s. The first round's shards of both engines are read back and compared sample by sample
+(`compare_states`: relative error per layer; the worst over all samples is printed; float32 on the CPU gives
+~1e-6).
+
+    .venv/bin/python tools/bench_extract.py                      # tiny Qwen3 family on the CPU
+    .venv/bin/python tools/bench_extract.py --quick              # 2 shards of 8 samples, 16-256 tokens
+    python tools/bench_extract.py --model DIR --device cuda --dtype bfloat16 [--tensor-parallel-size N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ENGINES = ("transformers", "vllm")
+GIB = 2**30
+WARMUP = "warmup"
+CANARY_REPEATS = 3
+SAMPLE_INTERVAL_S = 0.05
+# Processes of the tree are listed again this often; their RSS is read at every sample.
+LIST_INTERVAL_S = 0.5
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def resolve_model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model).resolve()
+    from dfq_testing.families import build_family
+    from dfq_testing.tiny_model import build_tiny_model
+
+    cache = REPO / ".cache"
+    tokenizer = build_tiny_model(cache / "tiny-qwen3")
+    return build_family(args.family, cache / f"family-{args.family}", tokenizer)
+
+
+def write_inputs(root: Path, shard_ids: list[str], args: argparse.Namespace, vocab: int) -> None:
+    """Completions shards of random sequences: lengths log-uniform, each split at random into prompt and completion."""
+    from dflash_queue.shards.completions import CompletionRecord, encode_completions
+    from dflash_queue.shards.keys import completions_key
+    from dflash_queue.storage import open_storage
+
+    storage = open_storage(str(root))
+    rng = random.Random(args.seed)
+    low, high = math.log(args.min_len), math.log(args.max_len)
+    sizes = [(WARMUP, 2)] + [(shard, args.shard_size) for shard in shard_ids]
+    for shard, count in sizes:
+        records = []
+        for i in range(count):
+            length = min(args.max_len, max(args.min_len, round(math.exp(rng.uniform(low, high)))))
+            if shard == WARMUP:
+                length = args.min_len
+            ids = [rng.randrange(vocab) for _ in range(length)]
+            split = rng.randint(1, length - 1)
+            records.append(CompletionRecord(f"{shard}-{i}", ids[:split], ids[split:], "stop", thinking=False, text=""))
+        storage.write_bytes(completions_key(shard), encode_completions(records))
+
+
+def config_path(args: argparse.Namespace, model: Path, engine: str, store: Path, state: Path) -> Path:
+    from dfq_testing.configs import tiny_config_tables, write_config
+
+    vllm: dict[str, Any] = {
+        "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size, "max_model_len": args.max_model_len,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory_gib": args.kv_cache_gib,
+        "enforce_eager": args.enforce_eager, "log_stats_interval_s": 0, "shutdown_timeout_s": 60,
+    }
+    extract: dict[str, Any] = {"engine": engine, "hidden_dtype": args.hidden_dtype, "token_budget": args.token_budget,
+                               "canary_samples": args.canary_samples}
+    if args.layer_ids:
+        extract["layer_ids"] = args.layer_ids
+    else:
+        extract["num_draft_layers"] = args.layers
+    tables = tiny_config_tables(model, store, "redis://127.0.0.1:1/0", state)
+    return write_config(
+        state.parent / f"{state.name}.toml",
+        tables,
+        model={"path": str(model), "name": model.name, "dtype": args.dtype, "device": args.device},
+        dataset={"shard_size": args.shard_size},
+        extract=extract,
+        **{"extract.vllm": vllm},
+    )
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# One engine, in a process of its own
+
+
+def run_child(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_queue.config import load_config
+    from dflash_queue.engines.base import ExtractionRequest
+    from dflash_queue.lanes.extract import ExtractLane, build_extractor
+    from dflash_queue.lanes.registry import EXTRACT
+    from dflash_queue.shards.completions import decode_completions
+    from dflash_queue.shards.keys import completions_key
+    from dflash_queue.storage import open_storage
+
+    engine, work = args.child, Path(args.work)
+    config = load_config(Path(args.config))
+    shard_ids = json.loads((work / "shards.json").read_text())
+    storage = open_storage(config.storage)
+    started = time.perf_counter()
+    extractor = build_extractor(config)
+    load_s = time.perf_counter() - started
+    lane = ExtractLane(config, extractor, storage)
+    cuda = config.model.device == "cuda"
+    try:
+        lane.run(WARMUP)
+        slots = EXTRACT.default_slots(config)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(slots, thread_name_prefix="task") as pool:
+            summaries = list(pool.map(lane.run, shard_ids))
+        seconds = time.perf_counter() - start
+        tokens = sum(s.num_tokens for s in summaries)
+
+        # The canary alone: samples no longer than the median, as the lane picks them.
+        records = [r for shard in shard_ids for r in decode_completions(
+            storage.read_bytes(completions_key(shard)), what=shard)]
+        lengths = sorted(len(r.input_ids) for r in records)
+        median = lengths[(len(lengths) - 1) // 2]
+        short = [r for r in records if len(r.input_ids) <= median]
+        chosen = [ExtractionRequest(r.id, r.input_ids) for r in short[: args.canary_measured]]
+
+        def alone(request: ExtractionRequest) -> float:
+            started = time.perf_counter()
+            extractor.reference_states(request, on_device=True)
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - started
+
+        # Each sample's best of CANARY_REPEATS passes over them all: a stall of a busy host is not the canary's cost.
+        passes = [[alone(request) for request in chosen] for _ in range(CANARY_REPEATS)]
+        canary_s = sum(min(times) for times in zip(*passes))
+        canary_tokens = sum(len(r.input_ids) for r in chosen)
+        short_mean = sum(len(r.input_ids) for r in short) / len(short)
+        result = {
+            "engine": engine, "mode": extractor.mode, "load_s": load_s, "task_slots": slots,
+            "shards": len(summaries), "samples": sum(s.num_samples for s in summaries), "tokens": tokens,
+            "seconds": seconds,
+            "canary": {
+                "samples": len(chosen), "tokens": canary_tokens, "seconds": canary_s,
+                "alone_over_batched": (canary_s / canary_tokens) / (seconds / tokens),
+                "length_ratio": short_mean / (sum(lengths) / len(lengths)),
+            },
+        }
+    finally:
+        lane.close()
+    (work / f"result-{args.tag}.json").write_text(json.dumps(result))
+    return 0
+
+
+class TreeMemory:
+    """The peak summed RSS of a process and all its descendants, sampled in a thread."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self._root = psutil.Process(pid)
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+
+        processes = [self._root]
+        listed = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - listed >= LIST_INTERVAL_S:
+                try:
+                    processes = [self._root, *self._root.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    return
+                listed = now
+            total = 0
+            for process in processes:
+                try:
+                    total += process.memory_info().rss
+                except psutil.NoSuchProcess:
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(SAMPLE_INTERVAL_S)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def run_engine(args: argparse.Namespace, model: Path, work: Path, engine: str, round_number: int) -> dict:
+    tag = f"{engine}-r{round_number}"
+    store, state = work / tag, work / f"state-{tag}"
+    shutil.copytree(work / "inputs", store)
+    config = config_path(args, model, engine, store, state)
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", engine, "--tag", tag, "--work", str(work),
+               "--config", str(config)]
+    with open(work / f"{tag}.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        memory = TreeMemory(process.pid)
+        returncode = process.wait()
+        peak = memory.stop()
+    if returncode:
+        tail = (work / f"{tag}.log").read_text()[-4000:]
+        raise SystemExit(f"the {engine} engine's process failed (exit {returncode}):\n{tail}")
+    result = json.loads((work / f"result-{tag}.json").read_text())
+    result.update(round=round_number, peak_bytes=peak, store=str(store))
+    return result
+
+
+# -----------------------------------------------------------------------------------------------------------------
+# Report
+
+
+def agreement(first: Path, second: Path) -> tuple[float, int]:
+    """Worst relative error per layer between the two stores' states of each sample, over every sample."""
+    import torch
+
+    from dflash_queue.engines.state_checks import compare_states
+    from dflash_queue.training import ShardDataset
+
+    mine = ShardDataset(first, hidden_dtype=torch.float32, on_bad_shard="raise")
+    theirs = ShardDataset(second, hidden_dtype=torch.float32, on_bad_shard="raise")
+    index = {theirs.meta(i).id: i for i in range(len(theirs))}
+    if len(mine) != len(theirs) or set(index) != {mine.meta(i).id for i in range(len(mine))}:
+        raise SystemExit(f"the engines stored different samples: {len(mine)} and {len(theirs)}")
+    worst = 0.0
+    for i in range(len(mine)):
+        got, expected = mine[i], theirs[index[mine.meta(i).id]]
+        if not torch.equal(got["input_ids"], expected["input_ids"]):
+            raise SystemExit(f"sample {mine.meta(i).id}: the engines stored different token ids")
+        worst = max(worst, compare_states(got["hidden_states"], expected["hidden_states"]).worst)
+    return worst, len(mine)
+
+
+def describe_model(model: Path) -> dict[str, Any]:
+    from dflash_queue.engines.decoder import read_layout
+
+    layout = read_layout(str(model))
+    text: Any = layout.text_config
+    return {
+        "path": str(model),
+        "model_type": str(getattr(layout.config, "model_type", "?")),
+        "layers": int(text.num_hidden_layers),
+        "hidden": int(text.hidden_size),
+        "vocab": int(text.vocab_size),
+    }
+
+
+SETTINGS = ("device", "dtype", "hidden_dtype", "layers", "layer_ids", "shards", "shard_size", "min_len", "max_len",
+            "token_budget", "max_model_len", "kv_cache_gib", "tensor_parallel_size", "rounds", "canary_samples")
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def say_run(say: Any, result: dict, args: argparse.Namespace) -> None:
+    engine, number, canary = result["engine"], result["round"], result["canary"]
+    say(f"{engine}: {result['tokens'] / result['seconds']:.1f} tokens/s ({result['tokens']} tokens in "
+        f"{result['seconds']:.6g} s), peak host memory {result['peak_bytes'] / GIB:.3f} GiB (round {number})")
+    share = canary["alone_over_batched"] * canary["length_ratio"] * args.canary_samples / args.shard_size
+    canary["shard_share"] = share
+    say(f"canary: {engine} a sample alone costs {canary['alone_over_batched']:.3f}x the batched time per token "
+        f"({canary['samples']} samples, {canary['tokens']} tokens in {canary['seconds']:.3f} s); at "
+        f"{args.canary_samples} per {args.shard_size}-sample shard = {share:.5f} of the shard's extract time "
+        f"(round {number})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="an existing checkpoint directory")
+    source.add_argument("--family", default="qwen3", help="a tiny family (dfq_testing.families), built into .cache")
+    parser.add_argument("--quick", action="store_true", help="2 shards of 8 samples, 16-256 tokens (a smoke run)")
+    parser.add_argument("--shards", type=int, help="measured shards (default 8)")
+    parser.add_argument("--shard-size", type=int, help="samples per shard (default 64)")
+    parser.add_argument("--min-len", type=int, help="shortest sequence, prompt + completion (default 32)")
+    parser.add_argument("--max-len", type=int, help="longest sequence (default 2048)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each runs both engines, alternating first")
+    parser.add_argument("--engines", default="transformers,vllm", help="engines to run (default both)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on the CPU, "
+                        "bfloat16 on CUDA")
+    parser.add_argument("--hidden-dtype", choices=["float32", "bfloat16", "float16", "fp8_e4m3"],
+                        help="extract.hidden_dtype (default: the model's dtype)")
+    parser.add_argument("--layers", type=int, help="K, extract.num_draft_layers (default 5, or N - 3 for N < 8)")
+    parser.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], help="explicit ids, e.g. 1,3,5")
+    parser.add_argument("--token-budget", type=int, default=16384, help="extract.token_budget (Transformers)")
+    parser.add_argument("--canary-samples", type=int, default=1, help="extract.canary_samples, run in every task")
+    parser.add_argument("--canary-measured", type=int, default=8, help="samples rerun alone after the timed part")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="extract.vllm.tensor_parallel_size")
+    parser.add_argument("--max-model-len", type=int, help="extract.vllm.max_model_len (default: --max-len rounded up "
+                        "to 256 above it)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="extract.vllm (0: vLLM's default)")
+    parser.add_argument("--kv-cache-gib", type=float, help="extract.vllm.kv_cache_memory_gib (default 0.5 on the "
+                        "CPU; on CUDA 0: sized by vLLM)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="vLLM without torch.compile or CUDA graphs (always on the CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="work directory, kept (default: a temporary one, removed)")
+    parser.add_argument("--json", action="store_true", help="the report as one JSON object on stdout (text to stderr)")
+    parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--tag", help=argparse.SUPPRESS)
+    parser.add_argument("--work", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    defaults = (2, 8, 16, 256) if args.quick else (8, 64, 32, 2048)
+    for name, value in zip(("shards", "shard_size", "min_len", "max_len"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if not 2 <= args.min_len <= args.max_len:
+        parser.error("need 2 <= --min-len <= --max-len")
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    if not args.engines or any(e not in ENGINES for e in args.engines):
+        parser.error(f"--engines: a comma-separated subset of {','.join(ENGINES)}")
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args.hidden_dtype = args.hidden_dtype or args.dtype
+    args.max_model_len = args.max_model_len or (args.max_len // 256 + 1) * 256
+    if args.kv_cache_gib is None:
+        args.kv_cache_gib = 0.5 if args.device == "cpu" else 0.0
+    args.enforce_eager = args.enforce_eager or args.device == "cpu"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return run_child(args)
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    import psutil
+
+    baseline = psutil.Process().memory_info().rss  # before any model or engine code is loaded here
+    model = resolve_model(args)
+    shape = describe_model(model)
+    if args.layers is None and not args.layer_ids:
+        args.layers = max(1, min(5, shape["layers"] - 3))
+    work = args.out or Path(tempfile.mkdtemp(prefix="dfq-bench-extract-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        shard_ids = [f"bench-{i:03d}" for i in range(args.shards)]
+        (work / "shards.json").write_text(json.dumps(shard_ids))
+        shutil.rmtree(work / "inputs", ignore_errors=True)
+        write_inputs(work / "inputs", shard_ids, args, shape["vocab"])
+        layers = f"ids {args.layer_ids}" if args.layer_ids else f"K={args.layers} (DFlash ids)"
+        say(f"model: {shape['path']} ({shape['model_type']}, {shape['layers']} layers, hidden {shape['hidden']}), "
+            f"{args.dtype} on {args.device}; layers {layers}, stored {args.hidden_dtype}; vLLM: max_model_len "
+            f"{args.max_model_len}, kv cache {args.kv_cache_gib:g} GiB (0: vLLM's), tensor parallel "
+            f"{args.tensor_parallel_size}; Transformers: token budget {args.token_budget}")
+        say(f"workload: {args.shards} shards x {args.shard_size} samples ({args.min_len}-{args.max_len} tokens each, "
+            f"log-uniform), plus a 2-sample warm-up shard (not timed); {plural(args.rounds, 'round')}")
+        say(f"parent: host memory {baseline / GIB:.3f} GiB (baseline: this process before loading a model)")
+
+        results: dict[str, list[dict]] = {engine: [] for engine in args.engines}
+        rounds: list[dict] = []
+        agree: dict[str, Any] | None = None
+        for number in range(1, args.rounds + 1):
+            order = list(args.engines) if number % 2 else list(reversed(args.engines))
+            load, this = os.getloadavg()[0], {}
+            for engine in order:
+                this[engine] = result = run_engine(args, model, work, engine, number)
+                results[engine].append(result)
+                say_run(say, result, args)
+            if len(this) == 2:
+                v, t = this["vllm"], this["transformers"]
+                if v["tokens"] != t["tokens"]:
+                    raise SystemExit("the engines extracted different numbers of tokens")
+                ratio = (v["tokens"] / v["seconds"]) / (t["tokens"] / t["seconds"])
+                rounds.append({"round": number, "first": order[0], "ratio": ratio, "load_average": load})
+                say(f"round {number}: ratio vllm/transformers {ratio:.3f} x ({order[0]} first; load average "
+                    f"{load:.2f} at its start)")
+                if agree is None:
+                    worst, samples = agreement(Path(v["store"]), Path(t["store"]))
+                    agree = {"worst_relative_error": worst, "samples": samples}
+                    say(f"agreement: worst relative error {worst:.3e} (vllm vs transformers, per layer, over "
+                        f"{samples} samples, {args.dtype})")
+            for result in this.values():
+                shutil.rmtree(result["store"], ignore_errors=True)
+
+        report: dict[str, Any] = {"model": shape, "baseline_bytes": baseline, "engines": {}, "rounds": rounds,
+                                  "agreement": agree, "settings": {k: vars(args)[k] for k in SETTINGS}}
+        medians = {}
+        for engine, runs in results.items():
+            medians[engine] = statistics.median(r["tokens"] / r["seconds"] for r in runs)
+            peak = max(r["peak_bytes"] for r in runs)
+            report["engines"][engine] = {"median_tokens_per_s": medians[engine], "peak_bytes": peak, "runs": runs}
+            say(f"{engine}: median {medians[engine]:.1f} tokens/s over {plural(len(runs), 'round')}, peak host memory "
+                f"{peak / GIB:.3f} GiB (largest), load {runs[-1]['load_s']:.1f} s, {runs[-1]['task_slots']} task "
+                f"slots, mode {runs[-1]['mode']}")
+        if len(medians) == 2:
+            report["ratio"] = medians["vllm"] / medians["transformers"]
+            say(f"ratio vllm/transformers: {report['ratio']:.3f} x (median of {plural(args.rounds, 'round')})")
+        if args.json:
+            print(json.dumps(report))
+    finally:
+        if args.out is None:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
