@@ -59,3 +59,19 @@ def tiny_vllm_overrides(**settings: Any) -> dict[str, dict[str, Any]]:
             **settings,
         },
     }
+
+
+def local_copy(config_file: Path, root: Path, *, model: Path, tokenizer: Path, broker_url: str) -> Path:
+    """A shipped config (worker_configs/) made to run here: the model and tokenizer given (a weightless example
+    has config.json only, and no tokenizer), storage, staging and state under `root`, this broker."""
+    import tomllib
+
+    tables = tomllib.loads(config_file.read_text(encoding="utf-8"))
+    tables["model"].update(path=str(model), tokenizer=str(tokenizer))
+    tables["storage"]["url"] = str(root / "storage")
+    tables["storage"].setdefault("uploader", {})["staging_dir"] = str(root / "staging")
+    tables["run"]["state_dir"] = str(root / "state")
+    tables["broker"]["url"] = broker_url
+    path = root / config_file.name
+    path.write_text(tomli_w.dumps(tables))
+    return path

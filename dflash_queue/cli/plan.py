@@ -9,15 +9,20 @@ import click
 from rich.console import Console
 
 from dflash_queue.cli.common import config_option, load
-from dflash_queue.lanes.registry import EXTRACT, GENERATE
+from dflash_queue.lanes.registry import EXTRACT, GENERATE, LANES
 
 
 @click.command()
 @click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @config_option
-@click.option("--gpus", type=click.IntRange(min=1), default=1, show_default=True, help="GPUs running generate workers.")
-@click.option("--gpus-per-worker", type=click.IntRange(min=1), default=1, show_default=True,
-              help="GPUs per worker (tensor-parallel size); throughputs are per worker.")
+@click.option("--gpus", type=click.IntRange(min=1), default=None,
+              help="GPUs running each lane's workers [default: one worker of the lane with the most GPUs per worker].")
+@click.option("--gpus-per-worker", type=click.IntRange(min=1), default=None,
+              help="GPUs per worker of every lane; throughputs are per worker [default: a lane's "
+              "vllm.tensor_parallel_size when it runs vLLM, else 1].")
+@click.option("--gpu-memory-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Memory of one GPU, for the extract workers' per-GPU figures [default: 140.4, an H200 as "
+              "nvidia-smi reports it (143,771 MiB)].")
 @click.option("--tokens-per-second", "tokens_per_s", type=click.FloatRange(min=0, min_open=True), multiple=True,
               help="Generated tokens/s per worker to compare (repeatable) [default: 160 and 1200].")
 @click.option("--extract-tokens-per-second", "extract_tokens_per_s", type=click.FloatRange(min=0, min_open=True),
@@ -38,8 +43,9 @@ from dflash_queue.lanes.registry import EXTRACT, GENERATE
 def plan(
     datasets: tuple[Path, ...],
     config_path: Path,
-    gpus: int,
-    gpus_per_worker: int,
+    gpus: int | None,
+    gpus_per_worker: int | None,
+    gpu_memory_gib: float | None,
     tokens_per_s: tuple[float, ...],
     extract_tokens_per_s: tuple[float, ...],
     subset: tuple[int, ...],
@@ -54,11 +60,15 @@ def plan(
 
     Prompts are counted exactly; prompt tokens with the target's tokenizer and chat template on a random
     sample (with its standard error); output tokens from the thinking policy's defaults or, with --measured,
-    from a run's averages. Wall-clock is for --gpus GPUs at each throughput.
+    from a run's averages. Wall-clock is for --gpus GPUs at each throughput. The extract workers' memory per GPU
+    and, unless a rate is given or measured, the prefill rate assumed for them come from the model's
+    shapes and the extract engine's settings.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
     from dflash_queue.ops import humanize
+    from dflash_queue.ops.extract_memory import H200_MEMORY_GIB, extract_memory
     from dflash_queue.ops.plan_report import PlanInputs, Throughput, build_plan, render_plan
     from dflash_queue.ops.planner import (
         DEFAULT_PLAIN_TOKENS,
@@ -71,11 +81,21 @@ def plan(
     from dflash_queue.ops.shard_sizing import size_shards
 
     config = load(config_path)
-    if gpus % gpus_per_worker:
-        raise click.BadParameter(f"{gpus} GPUs do not split into workers of {gpus_per_worker}", param_hint="--gpus")
+    tensor_parallel = vllm_tensor_parallel(config)
+    per_worker = {lane: gpus_per_worker or tensor_parallel.get(lane, 1) for lane in LANES}
+    gpus = gpus or max(per_worker.values())
+    for lane, size in per_worker.items():
+        if gpus % size:
+            raise click.BadParameter(f"{gpus} GPUs do not split into {lane} workers of {size}", param_hint="--gpus")
     try:
         shape = model_shape(config)
-    except (OSError, ValueError) as exc:
+        memory = extract_memory(
+            config,
+            AutoConfig.from_pretrained(config.model.path),
+            gpus_per_worker=per_worker[EXTRACT.name],
+            gpu_memory_gib=gpu_memory_gib or H200_MEMORY_GIB,
+        )
+    except (OSError, ValueError, AttributeError) as exc:
         raise click.ClickException(f"{config_path}: model {config.model.path}: {exc}") from None
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
     stats = count_prompts(config, list(datasets), tokenizer, sample_size=sample_size, seed=seed)
@@ -102,6 +122,9 @@ def plan(
         for lane, rate in run.tokens_per_s.items():
             if rate:
                 throughputs[lane].append(Throughput(f"measured {humanize.rate(rate, 'tok')}", rate))
+    if not throughputs[EXTRACT.name]:
+        label = f"assumed {humanize.rate(memory.tokens_per_s, 'tok')}"
+        throughputs[EXTRACT.name].append(Throughput(label, memory.tokens_per_s, memory.assumption))
 
     result = build_plan(
         PlanInputs(
@@ -112,12 +135,13 @@ def plan(
             shape=shape,
             throughputs=throughputs,
             gpus=gpus,
-            gpus_per_worker=gpus_per_worker,
+            gpus_per_worker=per_worker,
             subsets=list(subset),
             thinking_policy=config.dataset.thinking,
             shards=size_shards(
                 config, shape.num_layers_kept, shape.hidden_size, stats.mean_prompt_tokens + output
             ),
+            extract_memory=memory,
         )
     )
     if as_json:

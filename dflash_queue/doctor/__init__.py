@@ -17,17 +17,17 @@ from dflash_queue.doctor.model import check_model, check_thinking_template
 from dflash_queue.doctor.result import Check
 from dflash_queue.doctor.storage import check_configured_storage
 from dflash_queue.doctor.versions import check_versions
-
-DEFAULT_MEMORY_UTILIZATION = 0.9
+from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
+from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 
 GpuReader = Callable[[], tuple[list[GpuInfo], list[str], str | None]]
 
 
 def memory_utilization(config: Config) -> float:
-    """generate.vllm.gpu_memory_utilization when the config has that section, else vLLM's default."""
-    engine_settings = getattr(config.generate, "vllm", None)
-    value = getattr(engine_settings, "gpu_memory_utilization", None)
-    return float(value) if value else DEFAULT_MEMORY_UTILIZATION
+    """The largest gpu_memory_utilization of the lanes on vLLM (each reserves it at start); with none on vLLM,
+    generate.vllm's."""
+    lanes = list(vllm_tensor_parallel(config)) or ["generate"]
+    return max(float(getattr(config, lane).vllm.gpu_memory_utilization) for lane in lanes)
 
 
 def writable_dirs(config: Config) -> dict[str, Path]:
@@ -54,8 +54,10 @@ def run_doctor(
     checks += model_checks
     if tokenizer is not None:
         checks.append(check_thinking_template(tokenizer, config.dataset.thinking))
-    uses_vllm = config.generate.engine == "vllm"
-    checks += check_versions(vllm_needed=uses_vllm)
+    tensor_parallel = vllm_tensor_parallel(config)
+    checks += check_versions(vllm_needed_by=list(tensor_parallel))
+    if config.extract.engine == "vllm":
+        checks += _extract_engine_checks(config)
     gpus, arch_list, torch_cuda = gpu_reader()
     checks += check_gpus(
         gpus,
@@ -63,11 +65,23 @@ def run_doctor(
         device_setting=config.model.device,
         torch_cuda=torch_cuda,
         memory_utilization=memory_utilization(config),
-        memory_is_required=uses_vllm,
+        memory_is_required=bool(tensor_parallel),
     )
+    checks += check_tensor_parallel(tensor_parallel, len(gpus))
     for label, path in writable_dirs(config).items():
         checks.append(check_free_disk(label, path, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb))
     return checks
+
+
+def _extract_engine_checks(config: Config) -> list[Check]:
+    """The vLLM extract engine's checks; none when the model's config does not load (the model check says so)."""
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.path)
+    except Exception:
+        return []
+    return [check_extract_engine(model_config, config), check_transfer_dir(config, model_config.get_text_config())]
 
 
 __all__ = ["Check", "GpuInfo", "run_doctor"]

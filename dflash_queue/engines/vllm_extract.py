@@ -53,7 +53,7 @@ from dflash_queue.engines import vllm_runtime
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import read_layout
 from dflash_queue.engines.final_norm import FinalNorm
-from dflash_queue.engines.layers import resolve_layer_ids
+from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
 from dflash_queue.engines.passes import summarize, token_stats
 from dflash_queue.engines.state_checks import compare_states
 from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
@@ -66,7 +66,7 @@ from dflash_queue.engines.vllm_states_connector import (
     TOKENS_TENSOR,
     TRANSFER_DIR_KEY,
 )
-from dflash_queue.engines.vllm_support import FORCED_SETTINGS, vllm_refusal
+from dflash_queue.engines.vllm_support import DEFAULT_TRANSFER_DIR, FORCED_SETTINGS, vllm_refusal
 from dflash_queue.errors import (
     EngineStatesInvalid,
     EngineUnavailable,
@@ -90,14 +90,7 @@ SCAN_MAX_S = 0.02
 CALIBRATION_LENGTHS = (37, 96, 211)
 CALIBRATION_FACTOR = 10.0
 TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float64: 1e-8, torch.bfloat16: 4e-3, torch.float16: 5e-4}
-DEFAULT_TRANSFER_BASE = Path("/dev/shm")
 _DIR_PREFIX = "dfq-states-"
-
-
-def aux_layer_ids(captured: Sequence[tuple[int, str]], num_layers: int) -> list[int]:
-    """vLLM's aux id of each captured entry, in the entries' order: decoder layer i's output is aux id i + 1; the
-    final-norm entry is computed from aux id N, the last layer's output before the norm."""
-    return [layer + 1 if kind == DECODER_OUTPUT else num_layers for layer, kind in captured]
 
 
 def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: str) -> dict[str, Any]:
@@ -138,8 +131,8 @@ def transfer_base(setting: str) -> Path:
     """extract.vllm.transfer_dir, else /dev/shm (memory), else the temporary directory (said in the log)."""
     if setting:
         return Path(setting)
-    if DEFAULT_TRANSFER_BASE.is_dir() and os.access(DEFAULT_TRANSFER_BASE, os.W_OK):
-        return DEFAULT_TRANSFER_BASE
+    if DEFAULT_TRANSFER_DIR.is_dir() and os.access(DEFAULT_TRANSFER_DIR, os.W_OK):
+        return DEFAULT_TRANSFER_DIR
     fallback = Path(tempfile.gettempdir())
     log.warning("no writable /dev/shm: states pass through %s (set extract.vllm.transfer_dir to a tmpfs)", fallback)
     return fallback
@@ -286,8 +279,9 @@ class VllmStateExtractor:
         self.captured: list[tuple[int, str]] = [(i, DECODER_OUTPUT) for i in self.layer_ids]
         if config.extract.final_norm_state:
             self.captured.append((self.num_model_layers - 1, FINAL_NORM))
-        wanted = aux_layer_ids(self.captured, self.num_model_layers)
-        self.aux_ids = sorted(set(wanted))
+        final_norm = config.extract.final_norm_state
+        wanted = vllm_aux_ids_of_entries(self.layer_ids, self.num_model_layers, final_norm)
+        self.aux_ids = vllm_aux_layer_ids(self.layer_ids, self.num_model_layers, final_norm)
         # Column of vLLM's states holding each captured entry (the final-norm entry: before its norm).
         self._columns = torch.tensor([self.aux_ids.index(aux) for aux in wanted])
         self._final_norm_entry = len(self.captured) - 1 if config.extract.final_norm_state else None

@@ -4,9 +4,13 @@ lane's vLLM engine forces (with why). Read by the engine at load and by `doctor`
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+# Where the extract engine hands states over when extract.vllm.transfer_dir is empty: memory (tmpfs).
+DEFAULT_TRANSFER_DIR = Path("/dev/shm")
 
 # Settings the extract lane's vLLM engine always runs with, and why: told by `doctor` and the worker's log.
 FORCED_SETTINGS = (

@@ -24,6 +24,13 @@ def size(n_bytes: float) -> str:
     raise AssertionError("unreachable")
 
 
+def gib(n_bytes: float) -> str:
+    """Binary units, as GPU memory is reported: 58.8 GiB; 12.5 MiB below a GiB."""
+    if abs(n_bytes) < 1024**3:
+        return f"{n_bytes / 1024**2:,.1f} MiB"
+    return f"{n_bytes / 1024**3:,.1f} GiB"
+
+
 def rate(per_s: float, unit: str = "") -> str:
     if per_s == 0:
         return f"0 {unit}/s".strip() if unit else "0/s"

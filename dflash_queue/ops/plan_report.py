@@ -11,6 +11,7 @@ from rich.text import Text
 
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
+from dflash_queue.ops.extract_memory import ExtractMemory
 from dflash_queue.ops.planner import BYTES_PER_VALUE, ModelShape, PromptStats, hidden_state_bytes, schedule
 from dflash_queue.ops.shard_sizing import ShardSizing
 
@@ -19,6 +20,7 @@ from dflash_queue.ops.shard_sizing import ShardSizing
 class Throughput:
     label: str
     tokens_per_s: float  # per worker
+    assumption: str = ""  # how a rate nobody gave was arrived at
 
 
 @dataclass(frozen=True)
@@ -31,10 +33,11 @@ class PlanInputs:
     # Per lane (dflash_queue.lanes.registry): the per-worker rates to plan with.
     throughputs: Mapping[str, Sequence[Throughput]]
     gpus: int
-    gpus_per_worker: int
+    gpus_per_worker: Mapping[str, int]  # per lane
     subsets: Sequence[int]
     thinking_policy: str
     shards: ShardSizing | None = None
+    extract_memory: ExtractMemory | None = None
 
 
 def build_plan(inputs: PlanInputs) -> dict:
@@ -44,12 +47,13 @@ def build_plan(inputs: PlanInputs) -> dict:
     output = inputs.output_tokens_per_prompt
     total_tokens = stats.prompts * (prompt_tokens_per_prompt + output)
 
-    def lane(throughputs: Sequence[Throughput], tokens_per_prompt: float) -> list[dict]:
-        gpus, per_worker = inputs.gpus, inputs.gpus_per_worker
+    def lane(name: str, throughputs: Sequence[Throughput], tokens_per_prompt: float) -> list[dict]:
+        gpus, per_worker = inputs.gpus, inputs.gpus_per_worker.get(name, 1)
         return [
             {
                 "label": t.label,
                 "tokens_per_s": t.tokens_per_s,
+                "assumption": t.assumption,
                 "runs": [
                     asdict(schedule(n, tokens_per_prompt, t.tokens_per_s, gpus=gpus, gpus_per_worker=per_worker))
                     for n in populations
@@ -83,13 +87,15 @@ def build_plan(inputs: PlanInputs) -> dict:
             },
         },
         "shards": inputs.shards.to_dict() if inputs.shards else None,
+        "extract_memory": inputs.extract_memory.to_dict() if inputs.extract_memory else None,
         "gpus": inputs.gpus,
-        "gpus_per_worker": inputs.gpus_per_worker,
+        "gpus_per_worker": {name: inputs.gpus_per_worker.get(name, 1) for name in LANES},
         "populations": populations,
         # A lane that generates is paced by the tokens it generates; the others by whole sequences (one prefill
         # each).
         **{
             name: lane(
+                name,
                 inputs.throughputs.get(name, ()),
                 output if spec.paced_by == "generated" else prompt_tokens_per_prompt + output,
             )
@@ -129,8 +135,9 @@ def render_plan(plan: dict) -> Group:
         )
         facts.add_row(
             "extract worker",
-            f"host memory {humanize.size(shards['task_host_bytes'])} beyond the model (one task computes; "
-            f"{shards['task_slots']} task slots), staging disk {humanize.size(shards['staging_bytes'])}",
+            f"host memory {humanize.size(shards['task_host_bytes'])} beyond the model ({shards['computing_tasks']} "
+            f"task(s) computing; {shards['task_slots']} task slots), staging disk "
+            f"{humanize.size(shards['staging_bytes'])}",
         )
         if shards["too_large"]:
             per_sample = shards["shard_bytes"] / shards["samples"]
@@ -141,13 +148,17 @@ def render_plan(plan: dict) -> Group:
                 "store fp8 (extract.hidden_dtype = \"fp8_e4m3\")",
                 style="bold yellow",
             ))
-    workers = plan["gpus"] // plan["gpus_per_worker"]
+    memory = plan.get("extract_memory")
+    if memory:
+        facts.add_row("extract GPUs", extract_memory_text(memory))
+        parts.extend(Text(f"warning: {warning}", style="bold yellow") for warning in memory["warnings"])
     for lane, spec in LANES.items():
         what = spec.plan_title
         if not plan[lane]:
             continue
+        per_worker = plan["gpus_per_worker"][lane]
         table = Table(
-            title=f"{what} on {plan['gpus']} GPU(s): {workers} worker(s) of {plan['gpus_per_worker']} GPU(s)",
+            title=f"{what} on {plan['gpus']} GPU(s): {plan['gpus'] // per_worker} worker(s) of {per_worker} GPU(s)",
             title_justify="left",
         )
         table.add_column("throughput per worker")
@@ -160,4 +171,30 @@ def render_plan(plan: dict) -> Group:
             )
         parts.append(Text(""))
         parts.append(table)
+        parts.extend(
+            Text(f"assumes {humanize.rate(row['tokens_per_s'], 'tok')} per worker: {row['assumption']}")
+            for row in plan[lane]
+            if row["assumption"]
+        )
     return Group(*parts)
+
+
+def extract_memory_text(memory: dict) -> str:
+    """One line: what an extract worker holds per GPU."""
+    gib = humanize.gib
+    head = (
+        f"{memory['engine']}, {memory['gpus_per_worker']} GPU(s) per worker of {gib(memory['gpu_memory_bytes'])}: "
+        f"weights {gib(memory['weight_bytes_per_gpu'])} per GPU ({humanize.count(memory['parameters'])} parameters "
+        f"from {memory['parameters_source']}, {humanize.count(memory['active_parameters'])} active per token)"
+    )
+    if memory["engine"] == "vllm":
+        return (
+            f"{head}; cache per token per GPU: KV {humanize.size(memory['kv_cache_bytes_per_token'])} + hidden "
+            f"states {humanize.size(memory['hidden_state_cache_bytes_per_token'])}, "
+            f"{humanize.count(memory['tokens_in_flight'])} tokens in flight at gpu_memory_utilization "
+            f"{memory['gpu_memory_utilization']:g}"
+        )
+    return (
+        f"{head} + a pass of {memory['token_budget']:,} tokens {gib(memory['activation_bytes'])} = "
+        f"{gib(memory['bytes_per_gpu'])} per GPU"
+    )

@@ -7,6 +7,10 @@ float32 copy), and the canary's copies of its samples. One task computes at a ti
 slots wait on the staging disk or the compute slot and hold their shard's token ids only. On a CPU the forward
 pass's activations are host memory too (`activation_bytes`, as the engine estimates them).
 
+The vLLM engine hands each finished sequence over whole (engines/vllm_extract.py): each of its
+extract.vllm.inflight_tasks computing tasks holds one sequence as read, its converted copy and its canary copies,
+and the transfer tmpfs holds about one more sequence per task, in memory too.
+
 `tools/bench_extract_memory.py` measures the peak RSS growth of real extract tasks against this estimate.
 """
 
@@ -15,10 +19,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from dflash_queue.config import Config
+from dflash_queue.engines.devices import GPU_DTYPE_BYTES
+from dflash_queue.lanes.registry import EXTRACT
 
 STORED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
-# model.dtype "auto" on a GPU is the checkpoint's dtype: bf16 for the models this project targets.
-MODEL_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+MODEL_BYTES = GPU_DTYPE_BYTES  # model.dtype "auto" on a GPU: the checkpoint's, bf16 for the models targeted
 
 
 def shard_bytes(samples: int, tokens_per_sample: float, num_layers: int, hidden_size: int, hidden_dtype: str) -> float:
@@ -60,7 +65,8 @@ class ShardSizing:
     shard_bytes: float
     max_shard_bytes: int
     task_slots: int
-    task_host_bytes: float  # the computing task, beyond the model's weights
+    computing_tasks: int  # tasks on the engine at once
+    task_host_bytes: float  # the computing tasks together, beyond the model's weights
     staging_bytes: float  # shards staged or uploading at once, on the worker's disk
 
     @property
@@ -77,20 +83,32 @@ def size_shards(config: Config, num_layers: int, hidden_size: int, tokens_per_sa
     samples = config.dataset.shard_size
     size = shard_bytes(samples, tokens_per_sample, num_layers, hidden_size, extract.hidden_dtype)
     max_pending = config.storage.uploader.max_pending
+    model_bytes = MODEL_BYTES[config.model.dtype]
+    if extract.engine == "vllm":
+        computing = extract.vllm.inflight_tasks
+        sequence = tokens_per_sample * num_layers * hidden_size
+        converted = 4 if extract.hidden_dtype == "fp8_e4m3" else STORED_BYTES[extract.hidden_dtype]
+        engine_bytes = MODEL_BYTES[extract.vllm.dtype or config.model.dtype]
+        # Read, waiting in the tmpfs, converted, and the canary's copies.
+        host = computing * sequence * (2 * engine_bytes + converted + extract.canary_samples * engine_bytes)
+    else:
+        computing = 1
+        host = task_host_bytes(
+            token_budget=extract.token_budget,
+            longest_tokens=tokens_per_sample,
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            model_bytes=model_bytes,
+            hidden_dtype=extract.hidden_dtype,
+            canary_samples=extract.canary_samples,
+        )
     return ShardSizing(
         samples=samples,
         tokens_per_sample=tokens_per_sample,
         shard_bytes=size,
         max_shard_bytes=extract.max_shard_bytes,
-        task_slots=1 + max_pending,
-        task_host_bytes=task_host_bytes(
-            token_budget=extract.token_budget,
-            longest_tokens=tokens_per_sample,
-            num_layers=num_layers,
-            hidden_size=hidden_size,
-            model_bytes=MODEL_BYTES[config.model.dtype],
-            hidden_dtype=extract.hidden_dtype,
-            canary_samples=extract.canary_samples,
-        ),
+        task_slots=EXTRACT.default_slots(config),
+        computing_tasks=computing,
+        task_host_bytes=host,
         staging_bytes=max_pending * size,
     )

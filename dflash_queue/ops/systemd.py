@@ -12,12 +12,14 @@ import re
 import secrets
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
 from dflash_queue.ops.gpus import instance_name
 
 FLOWER_UNIT = "dflash-flower.service"
@@ -67,8 +69,12 @@ class UnitLayout:
             units.append(FLOWER_UNIT)
         return units
 
-    def check(self, node_gpus: tuple[int, ...] | None = None) -> list[str]:
-        """Errors raise; returns warnings (a GPU shared by workers of several lanes)."""
+    def check(
+        self, node_gpus: tuple[int, ...] | None = None, tensor_parallel: Mapping[str, int] | None = None
+    ) -> list[str]:
+        """Errors raise; returns warnings (a GPU shared by workers of several lanes). `tensor_parallel`: the lanes
+        on vLLM and their tensor_parallel_size, which every group of theirs must have (a group of the
+        Transformers extract engine may have any size: it spreads its layers over the group)."""
         unknown = sorted(set(self.workers) - set(LANES))
         if unknown:
             raise ValueError(f"unknown lane(s) {unknown}; lanes are {list(LANES)}")
@@ -76,9 +82,13 @@ class UnitLayout:
             raise ValueError("no workers: give " + " and/or ".join(f"--{lane}" for lane in LANES) + " GPU groups")
         warnings = []
         users: dict[int, list[str]] = {}
+        sizes = tensor_parallel or {}
         for lane in self.lanes():
             seen: dict[int, GpuGroup] = {}
             for group in self.workers[lane]:
+                size_error = group_size_error(lane, group, sizes[lane]) if lane in sizes else None
+                if size_error:
+                    raise ValueError(f"--{lane}: {size_error}")
                 for gpu in group:
                     if gpu in seen:
                         raise ValueError(
@@ -233,7 +243,8 @@ def install_units(
     force_env: bool = False,
 ) -> InstallReport:
     """Write the units into `dest` and the environment file (kept if it exists, unless `force_env`)."""
-    report = InstallReport(warnings=layout.check(node_gpus), instances=layout.instances())
+    warnings = layout.check(node_gpus, vllm_tensor_parallel(config))
+    report = InstallReport(warnings=warnings, instances=layout.instances())
     dest.mkdir(parents=True, exist_ok=True)
     # systemd refuses to start a unit whose WorkingDirectory does not exist.
     Path(settings.working_directory or config.run.state_dir).mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
 
-from dflash_queue.engines.decoder import load_causal_lm, load_text_decoder, read_layout
+from dflash_queue.engines.decoder import load_causal_lm, load_text_decoder, read_layout, spread_device_map
 from dflash_queue.errors import UnsupportedArchitecture
+from dfq_testing.families import FAMILIES
 
 CPU = torch.device("cpu")
 IDS = torch.tensor([[5, 17, 301, 9, 44, 1200, 3, 77]])
@@ -61,3 +62,30 @@ def test_a_text_only_checkpoint_loads_as_before(tiny_model):
     assert not layout.multimodal and layout.text_prefix is None
     decoder = load_text_decoder(str(tiny_model), dtype=torch.float32, device=CPU, attn_implementation="sdpa")
     assert type(decoder).__name__ == "Qwen3Model"
+
+
+def placed(name: str, mapping: dict[str, int]) -> bool:
+    return any(name == module or name.startswith(f"{module}.") for module in mapping)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_spread_device_map_places_every_weight_and_buffer_of_the_decoder(tiny_family, family, monkeypatch):
+    """Every tensor of the decoder has a GPU in the map (a tensor without one would stay on the CPU); loaded here
+    through the map with every GPU replaced by the CPU, which is all a machine without GPUs can do."""
+    from transformers import AutoModel
+
+    path = str(tiny_family(family))
+    layout = read_layout(path)
+    mapping = spread_device_map(path, layout, 3)
+    assert [mapping[f"layers.{i}"] for i in range(6)] == [0, 0, 1, 1, 2, 2] and mapping["embed_tokens"] == 0
+    given: list = []
+    from_pretrained = AutoModel.from_pretrained
+    monkeypatch.setattr(AutoModel, "from_pretrained", lambda *args, **kwargs: given.append(kwargs.get("device_map"))
+                        or from_pretrained(*args, **kwargs))
+    on_the_cpu = dict.fromkeys(mapping, "cpu")
+    decoder = load_text_decoder(
+        path, dtype=torch.float32, device=CPU, attn_implementation="eager", layout=layout, device_map=on_the_cpu
+    )
+    assert given == [on_the_cpu]  # Transformers places the weights by the map
+    tensors = [name for name, _ in (*decoder.named_parameters(), *decoder.named_buffers())]
+    assert [name for name in tensors if not placed(name, mapping)] == []

@@ -178,3 +178,28 @@ def test_an_extractor_around_a_model_in_memory_matches_one_loaded_from_its_path(
     requests = [ExtractionRequest(str(i), random_ids(n, i)) for i, n in enumerate([40, 30, 3])]
     for got, want in zip(in_memory.extract(requests), extractor.extract(requests)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_decoder_spread_by_a_device_map_extracts_exactly_the_same_states(tiny_model, extractor, monkeypatch):
+    """The engine on a worker's GPU group, with every GPU of its device map replaced by the CPU: the decoder is
+    loaded through the map, and the states it captures are those of the decoder on one device."""
+    import dflash_queue.engines.hf_extract as hf_extract
+
+    spread_device_map, load_text_decoder = hf_extract.spread_device_map, hf_extract.load_text_decoder
+    maps: list[dict] = []
+
+    def load_on_the_cpu(path, **kwargs):
+        maps.append(kwargs["device_map"])
+        return load_text_decoder(path, **kwargs)
+
+    monkeypatch.setattr(hf_extract, "spread_gpu_count", lambda device: 2)
+    monkeypatch.setattr(hf_extract, "spread_device_map",
+                        lambda *args: dict.fromkeys(spread_device_map(*args), "cpu"))
+    monkeypatch.setattr(hf_extract, "load_text_decoder", load_on_the_cpu)
+    spread = fresh_extractor(tiny_model)
+    [mapping] = maps
+    assert {"embed_tokens", "layers.0", "layers.5", "norm"} <= mapping.keys() and set(mapping.values()) == {"cpu"}
+    assert spread.device == torch.device("cpu")
+    requests = [ExtractionRequest(str(i), random_ids(12 + 7 * i, i)) for i in range(4)]
+    for mine, theirs in zip(spread.extract(requests), extractor.extract(requests), strict=True):
+        assert torch.equal(mine, theirs)

@@ -2,7 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_queue.engines.layers import dflash_layer_ids, eagle3_layer_ids, resolve_layer_ids
+from dflash_queue.engines.layers import (
+    dflash_layer_ids,
+    eagle3_layer_ids,
+    resolve_layer_ids,
+    vllm_aux_ids_of_entries,
+    vllm_aux_layer_ids,
+)
 
 
 @pytest.mark.parametrize(
@@ -45,3 +51,15 @@ def test_explicit_ids_win_and_are_checked():
         resolve_layer_ids((1, 40), 36, 5)
     with pytest.raises(ValueError, match="cannot spread"):
         dflash_layer_ids(6, 5)
+
+
+def test_decoder_layer_i_is_vllms_aux_layer_i_plus_one_and_the_final_norm_comes_from_aux_layer_n():
+    assert vllm_aux_ids_of_entries([0, 61, 16], 64, True) == [1, 62, 17, 64]
+    assert vllm_aux_ids_of_entries([63], 64, True) == [64, 64]
+
+
+def test_vllms_aux_layers_are_distinct_and_ascending():
+    # Decoder layer i's output is aux layer i + 1; the final-norm entry reads aux layer N (64 here).
+    assert vllm_aux_layer_ids([61, 0, 16], 64, False) == [1, 17, 62]
+    assert vllm_aux_layer_ids([61, 0, 16], 64, True) == [1, 17, 62, 64]
+    assert vllm_aux_layer_ids([63], 64, True) == [64]  # the last layer and the final norm share one cached layer

@@ -24,7 +24,6 @@ from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, TrainingShard
 from dflash_queue.storage import open_storage
-from dfq_testing.families import NUM_LAYERS
 from dfq_testing.references import reference_model, reference_states
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

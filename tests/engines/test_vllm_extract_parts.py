@@ -19,17 +19,10 @@ from dflash_queue.engines.vllm_extract import (
     CONNECTOR_MODULE,
     EngineGate,
     StatesArrivals,
-    aux_layer_ids,
     extract_engine_args,
     make_transfer_dir,
 )
 from dflash_queue.errors import EngineStatesInvalid
-from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
-
-
-def test_decoder_layer_i_is_vllms_aux_layer_i_plus_one_and_the_final_norm_comes_from_aux_layer_n():
-    captured = [(0, DECODER_OUTPUT), (61, DECODER_OUTPUT), (16, DECODER_OUTPUT), (63, FINAL_NORM)]
-    assert aux_layer_ids(captured, 64) == [1, 62, 17, 64]
 
 
 def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):

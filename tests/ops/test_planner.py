@@ -6,6 +6,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,7 +173,14 @@ def test_plan_command_end_to_end(make_config, tiny_model):
     assert subset["tokens"] == 300_000 * 48
     assert subset["wall_s"] == pytest.approx(300_000 * 48 / 1200 / 2)  # two workers
     assert subset["gpu_hours"] == pytest.approx(300_000 * 48 / 1200 / 3600)
-    assert plan["extract"] == []
+    # No extraction rate given: one is assumed (compute-bound prefill of the layers the engine runs), and said.
+    [assumed] = plan["extract"]
+    memory = plan["extract_memory"]
+    assert memory["engine"] == "transformers" and memory["gpus_per_worker"] == 1
+    assert assumed["tokens_per_s"] == memory["tokens_per_s"] and assumed["label"].startswith("assumed ")
+    assert assumed["assumption"].startswith("compute-bound prefill at 50% of 790 TFLOP/s bf16 per H200 x 1 GPU(s)")
+    assert assumed["runs"][0]["tokens"] == pytest.approx(50 * (exact / 50 + 48))
+    assert plan["gpus_per_worker"] == {"generate": 1, "extract": 1}
     shards = plan["shards"]
     per_sample = exact / 50 + 48
     assert shards["samples"] == 8 and shards["tokens_per_sample"] == pytest.approx(per_sample)
@@ -182,6 +190,66 @@ def test_plan_command_end_to_end(make_config, tiny_model):
         2 * 2048 * 3 * 128 * 4 + per_sample * 3 * 128 * 2 + per_sample * 3 * 128 * 4  # float32 model, bf16 stored
     )
     assert not shards["too_large"]
+
+
+def test_plan_sizes_a_vllm_extract_worker_by_its_tensor_parallel_group(make_config):
+    config = make_config(
+        extract={"engine": "vllm"},
+        **{"extract.vllm": {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.5}},
+    )
+    plan = plan_json(config, "--gpu-memory-gib", "1", "--extract-tokens-per-second", "1000")
+    # Workers of the vLLM lane span its tensor_parallel_size; --gpus defaults to one such worker.
+    assert plan["gpus"] == 2 and plan["gpus_per_worker"] == {"generate": 1, "extract": 2}
+    [given] = plan["extract"]
+    assert given["tokens_per_s"] == 1000 and given["assumption"] == ""
+    assert given["runs"][0]["wall_s"] == pytest.approx(given["runs"][0]["tokens"] / 1000)  # one worker
+    assert len(plan["generate"][0]["runs"]) == 1 and plan["generate"][0]["runs"][0]["gpus_per_worker"] == 1
+    memory = plan["extract_memory"]
+    # The tiny model: 1,575,296 float32 parameters (tests/ops/test_extract_memory.py), half on each GPU; 3,072 B of
+    # keys and values and 1,536 B of hidden states per token; half of 1 GiB less the weights for the cache.
+    assert memory["weight_bytes_per_gpu"] == 1_575_296 * 4 / 2
+    assert (memory["kv_cache_bytes_per_token"], memory["hidden_state_cache_bytes_per_token"]) == (3072, 1536)
+    assert memory["tokens_in_flight"] == (2**29 - 1_575_296 * 2) // 4608
+    per_worker = plan_json(config, "--gpus-per-worker", "1", "--gpus", "3")  # the option still sets every lane
+    assert per_worker["gpus_per_worker"] == {"generate": 1, "extract": 1}
+    assert per_worker["extract_memory"]["gpus_per_worker"] == 1
+    refused = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", config.source, "--gpus", "3"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert refused.returncode == 2 and "3 GPUs do not split into extract workers of 2" in refused.stderr
+
+
+@pytest.mark.vllm
+def test_the_shipped_235b_config_plans_a_tensor_parallel_8_worker_per_node(tiny_model, redis_url, tmp_path):
+    """worker_configs/qwen3-235b-a22b-h200-tp8.toml against its target's architecture (examples/
+    qwen3-235b-a22b-class: the config alone), with the tiny model's tokenizer for the prompts."""
+    from transformers import AutoConfig
+
+    from dflash_queue.config import load_config
+    from dflash_queue.engines.layers import resolve_layer_ids
+    from dflash_queue.engines.vllm_support import vllm_refusal
+    from dfq_testing.configs import local_copy
+
+    target = REPO / "examples" / "qwen3-235b-a22b-class"
+    shipped = REPO / "worker_configs" / "qwen3-235b-a22b-h200-tp8.toml"
+    config = load_config(local_copy(shipped, tmp_path, model=target, tokenizer=tiny_model, broker_url=redis_url))
+    model_config = AutoConfig.from_pretrained(target)
+    assert resolve_layer_ids(config.extract.layer_ids, 94, config.extract.num_draft_layers) == [1, 24, 46, 68, 91]
+    assert vllm_refusal(model_config) is None
+    assert (config.extract.engine, config.extract.vllm.tensor_parallel_size) == ("vllm", 8)
+    assert (config.generate.engine, config.generate.vllm.tensor_parallel_size) == ("vllm", 8)
+
+    plan = plan_json(config)
+    memory = plan["extract_memory"]
+    assert plan["gpus"] == 8 and plan["gpus_per_worker"] == {"generate": 8, "extract": 8}
+    # 235,093,634,560 parameters (tests/ops/test_model_size.py), bf16, over 8 GPUs: 58.8 GB (54.7 GiB) each.
+    assert memory["parameters"] == 235_093_634_560
+    assert memory["weight_bytes_per_gpu"] == 235_093_634_560 * 2 / 8
+    # 94 layers x 2 x 1 key/value head (4 over 8 GPUs) x 128 x 2 B, and 5 aux layers x 4096 x 2 B per token.
+    assert (memory["kv_cache_bytes_per_token"], memory["hidden_state_cache_bytes_per_token"]) == (48_128, 40_960)
+    assert memory["tokens_in_flight"] > 20 * config.extract.vllm.max_model_len and memory["warnings"] == []
+    assert not plan["shards"]["too_large"]
 
 
 def test_plan_warns_when_a_shard_would_exceed_max_shard_bytes(make_config):
@@ -232,3 +300,18 @@ def test_plan_text_answers_in_one_table(make_config):
     # 1M prompts x 1,370 tokens at 160 tok/s: 99.1 days; at 1,200: 13.2 days; 300K at 1,200: 4.0 days.
     assert "99.1 days" in out and "13.2 days" in out and "4.0 days" in out
     assert "generation (generated tokens) on 1 GPU(s)" in out
+    assert "extract GPUs" in out and "transformers, 1 GPU(s) per worker of 140.4 GiB" in out
+    assert re.search(r"^assumes [\d,]+ tok/s per worker: compute-bound prefill at 50% of 790 TFLOP/s", out, re.M)
+
+
+def test_an_extract_worker_on_vllm_holds_a_sequence_per_computing_task(make_config):
+    from dflash_queue.ops.shard_sizing import size_shards
+
+    config = make_config(
+        extract={"engine": "vllm", "hidden_dtype": "bfloat16", "canary_samples": 1},
+        **{"extract.vllm": {"inflight_tasks": 3, "dtype": "bfloat16"}},
+    )
+    sizing = size_shards(config, 5, 5120, 2000)
+    assert sizing.computing_tasks == 3 and sizing.task_slots == 3 + config.storage.uploader.max_pending
+    # Per task: 2,000 tokens x 5 layers x 5,120 values, read and waiting (2 x 2 bytes), converted (2), canary (2).
+    assert sizing.task_host_bytes == 3 * 2000 * 5 * 5120 * (2 * 2 + 2 + 2)

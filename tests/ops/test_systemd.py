@@ -126,6 +126,30 @@ def test_layout_errors_and_warnings(make_config, tmp_path):
     ]
 
 
+def test_a_vllm_lanes_groups_must_match_its_tensor_parallel_size(make_config, tmp_path):
+    sizes = {"generate": 2, "extract": 4}
+    assert UnitLayout({"generate": ((0, 1), (2, 3)), "extract": ((4, 5, 6, 7),)}).check(tensor_parallel=sizes) == []
+    with pytest.raises(ValueError, match=r"^--generate: generate GPU group 2 has 1 GPU\(s\) but "
+                                         r"generate.vllm.tensor_parallel_size is 2"):
+        UnitLayout({"generate": ((0, 1), (2,))}).check(tensor_parallel=sizes)
+    with pytest.raises(ValueError, match=r"extract GPU group 4-5 has 2 GPU\(s\) but extract.vllm.tensor_parallel_size is 4"):
+        UnitLayout({"extract": ((4, 5),)}).check(tensor_parallel=sizes)
+    # The Transformers extract engine spreads its layers over a group of any size.
+    assert UnitLayout({"extract": ((0, 1, 2), (3,))}).check(tensor_parallel={"generate": 2}) == []
+
+    from click.testing import CliRunner
+
+    from dflash_queue.cli import main
+
+    config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"tensor_parallel_size": 2}})
+    install = ["systemd", "install", "-c", config.source, "--no-flower", "--dest", str(tmp_path / "units"),
+               "--env-file", str(tmp_path / "dflash.env")]
+    refused = CliRunner().invoke(main, [*install, "--extract", "0-1,2"])
+    assert refused.exit_code == 1 and not (tmp_path / "units").exists()
+    assert "--extract: extract GPU group 2 has 1 GPU(s) but extract.vllm.tensor_parallel_size is 2" in refused.output
+    assert CliRunner().invoke(main, [*install, "--extract", "0-1,2-3", "--generate", "4"]).exit_code == 0
+
+
 def test_env_file_is_private_and_kept_unless_forced(make_config, tmp_path):
     config = make_config()
     s = settings(tmp_path, config)

@@ -43,6 +43,21 @@ def test_a_warning_when_the_other_tasks_cannot_fill_the_engine(make_config):
     assert EXTRACT.startup_warnings(config, 1) == []
 
 
+def test_a_vllm_lane_worker_refuses_a_gpu_group_of_another_size(make_config, monkeypatch):
+    from click.testing import CliRunner
+
+    from dflash_queue.cli import main
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after: the command sets it
+    config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"tensor_parallel_size": 2}})
+    result = CliRunner().invoke(main, ["worker", "extract", "-c", config.source, "--gpus", "0-1-2-3"])
+    assert result.exit_code == 2
+    assert "extract GPU group 0-1-2-3 has 4 GPU(s) but extract.vllm.tensor_parallel_size is 2" in result.output
+    generate = make_config("generate.toml", **tiny_vllm_overrides())
+    result = CliRunner().invoke(main, ["worker", "generate", "-c", generate.source, "--gpus", "0,1"])
+    assert result.exit_code == 2 and "generate.vllm.tensor_parallel_size is 1" in result.output
+
+
 def test_worker_refuses_to_start_when_the_bucket_is_missing(make_config, s3_tables, start_worker):
     tables = {**s3_tables, "storage": {"url": "s3://bucket-nobody-made/run"}}
     config = make_config(**tables)

@@ -1,0 +1,110 @@
+"""The vLLM engines a config runs: vLLM can extract the target exactly (and what the extract engine forces), each
+vLLM lane's tensor-parallel group fits in the visible GPUs, and the extract engine's transfer directory can take
+the states it hands over."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dflash_queue.config import Config
+from dflash_queue.doctor.result import Check
+from dflash_queue.engines.devices import GPU_DTYPE_BYTES
+from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_layer_ids
+from dflash_queue.engines.vllm_support import DEFAULT_TRANSFER_DIR, FORCED_SETTINGS, vllm_refusal
+from dflash_queue.errors import ConfigError
+
+GB = 1000**3
+
+
+def check_extract_engine(model_config: Any, config: Config) -> Check:
+    """Whether vLLM can extract this target's states exactly (`vllm_refusal`), and how the engine will run."""
+    refusal = vllm_refusal(model_config)
+    if refusal:
+        return Check.failed("extract engine", f"vLLM: {refusal}")
+    settings = config.extract.vllm
+    forced = " · ".join(f"{setting} ({why})" for setting, why in FORCED_SETTINGS)
+    chunked = (
+        "chunked prefill on, every sequence checked whole before it is stored"
+        if settings.enable_chunked_prefill
+        else "chunked prefill off"
+    )
+    architecture = ",".join(getattr(model_config, "architectures", None) or [])
+    return Check.passed(
+        "extract engine",
+        f"vLLM extracts {architecture}, tensor parallel {settings.tensor_parallel_size}; forced: {forced}; {chunked}",
+    )
+
+
+def check_tensor_parallel(tensor_parallel: Mapping[str, int], visible_gpus: int) -> list[Check]:
+    """Each vLLM lane's engine spans tensor_parallel_size GPUs: at least that many must be visible to a worker
+    (CUDA_VISIBLE_DEVICES, which `worker --gpus` sets to its group)."""
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    checks = []
+    for lane, size in tensor_parallel.items():
+        name = f"{lane} tensor parallel"
+        if visible_gpus >= size:
+            checks.append(Check.passed(name, f"{lane}.vllm.tensor_parallel_size {size}: {visible_gpus} GPU(s) visible"))
+        elif visible_gpus == 0 and size == 1:
+            detail = f"{lane}.vllm.tensor_parallel_size 1: no GPU visible (only vLLM's CPU build runs without one)"
+            checks.append(Check.passed(name, detail))
+        else:
+            checks.append(Check.failed(
+                name,
+                f"{lane}.vllm.tensor_parallel_size is {size} but {visible_gpus} GPU(s) are visible{where}: the engine "
+                "cannot start",
+            ))
+    return checks
+
+
+def transfer_bytes(config: Config, text_config: Any) -> int:
+    """Room the transfer directory needs: the states of extract.vllm.inflight_tasks sequences of max_model_len
+    tokens (every aux layer the engine caches, in its dtype); the directory holds a few sequences at a time."""
+    settings = config.extract.vllm
+    num_layers = int(text_config.num_hidden_layers)
+    layer_ids = resolve_layer_ids(config.extract.layer_ids, num_layers, config.extract.num_draft_layers)
+    aux = vllm_aux_layer_ids(layer_ids, num_layers, config.extract.final_norm_state)
+    tokens = config.extract_context_len()
+    dtype_bytes = GPU_DTYPE_BYTES[settings.dtype or config.model.dtype]
+    return tokens * len(aux) * int(text_config.hidden_size) * dtype_bytes * settings.inflight_tasks
+
+
+def check_transfer_dir(config: Config, text_config: Any) -> Check:
+    """The directory the extract engine's processes hand states over in: writable, in memory, with room for
+    extract.vllm.inflight_tasks sequences of the engine's whole context."""
+    name = "extract transfer dir"
+    configured = config.extract.vllm.transfer_dir
+    path = Path(configured) if configured else DEFAULT_TRANSFER_DIR
+    existing = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    if not configured and (existing != path or not os.access(path, os.W_OK)):
+        fallback = Path(tempfile.gettempdir())
+        return Check.warned(
+            name,
+            f"no writable {path}: the engine hands states over through {fallback}, on disk; set "
+            "extract.vllm.transfer_dir to a tmpfs directory",
+        )
+    if existing is None:
+        return Check.failed(name, f"{path}: no parent directory exists")
+    created = "" if existing == path else f" (created by the engine under {existing})"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".dfq-doctor-"):
+            pass
+    except OSError as exc:
+        return Check.failed(name, f"{existing} is not writable ({exc.strerror or exc})")
+    free = shutil.disk_usage(existing).free
+    try:
+        needed = transfer_bytes(config, text_config)
+    except (ConfigError, ValueError) as exc:
+        return Check.warned(name, f"{path}{created}: {free / GB:,.1f} GB free; cannot size the states ({exc})")
+    detail = (
+        f"{path}{created}: {free / GB:,.1f} GB free; {config.extract.vllm.inflight_tasks} sequence(s) of "
+        f"{config.extract_context_len():,} tokens need {needed / GB:,.1f} GB"
+    )
+    if free < needed:
+        return Check.warned(name, f"{detail}: a sequence whose states do not fit fails its task")
+    return Check.passed(name, detail)
