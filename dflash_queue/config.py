@@ -126,6 +126,7 @@ class Config(Section):
                 "num_draft_layers": self.extract.num_draft_layers,
                 "hidden_dtype": self.extract.hidden_dtype,
                 "final_norm_state": self.extract.final_norm_state,
+                "last_layer_state": self.extract.last_layer_state,
             },
         }
 

@@ -37,8 +37,10 @@ def produce_training_shards(
     shard_size: int = 6,
     max_tokens: int = 32,
     dataset: Path = SAMPLE_DATASET,
+    extract: dict[str, Any] | None = None,
 ) -> dict[str, Config]:
-    """{hidden_dtype: config whose storage.url holds prompts/, completions/ and shards/ for those samples}."""
+    """{hidden_dtype: config whose storage.url holds prompts/, completions/ and shards/ for those samples}.
+    `extract`: more [extract] settings (layers, last-layer and final-norm entries)."""
     root.mkdir(parents=True, exist_ok=True)
     prompts = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)][:samples]
     if not prompts:
@@ -48,7 +50,7 @@ def produce_training_shards(
             write_config(
                 root / f"{dtype}.toml",
                 tiny_config_tables(model_path, root / dtype, "", root / "state"),
-                **_overrides(shard_size, max_tokens, dtype),
+                **_overrides(shard_size, max_tokens, dtype, extract or {}),
             )
         )
         for dtype in hidden_dtypes
@@ -78,6 +80,6 @@ def produce_training_shards(
     return configs
 
 
-def _overrides(shard_size: int, max_tokens: int, dtype: str) -> dict[str, Any]:
+def _overrides(shard_size: int, max_tokens: int, dtype: str, extract: dict[str, Any]) -> dict[str, Any]:
     return {"dataset": {"shard_size": shard_size}, "generate.sampling": {"max_tokens": max_tokens},
-            "extract": {"hidden_dtype": dtype}, "quality": FLAG_EVERYTHING}
+            "extract": {"hidden_dtype": dtype, **extract}, "quality": FLAG_EVERYTHING}

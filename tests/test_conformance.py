@@ -50,6 +50,7 @@ def family_config(make_config, path: Path, name: str, hidden_dtype: str):
             "token_budget": TOKEN_BUDGET,
             "hidden_dtype": hidden_dtype,
             "final_norm_state": final_norm,
+            "last_layer_state": True,
         },
         quality=FLAG_EVERYTHING,
     )

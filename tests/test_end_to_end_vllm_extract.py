@@ -59,6 +59,7 @@ def run_config(tmp_path: Path, model_path: Path, name: str, engine: str, storage
         extract={
             "engine": engine,
             "layer_ids": [4, 0, 2],
+            "last_layer_state": True,
             "final_norm_state": True,
             "hidden_dtype": "float32",
             "token_budget": 256,
@@ -110,7 +111,7 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
     meta = dataset.shards[0].metadata
     captured = list(zip(json.loads(meta["layer_ids"]), json.loads(meta["layer_states"])))
     assert captured == [(4, "decoder_output"), (0, "decoder_output"), (2, "decoder_output"),
-                        (NUM_LAYERS - 1, "final_norm")]
+                        (NUM_LAYERS - 1, "last_layer"), (NUM_LAYERS - 1, "final_norm")]
     assert meta["extraction"] == "vllm"
     model = reference_model(model_path, FAMILIES[name].reference_attention)
     for number in range(len(dataset)):

@@ -14,7 +14,7 @@ from typing import Any
 from dflash_queue.config import Config
 from dflash_queue.doctor.result import Check
 from dflash_queue.engines.devices import GPU_DTYPE_BYTES
-from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_layer_ids
+from dflash_queue.engines.layers import vllm_aux_layer_ids
 from dflash_queue.engines.vllm_support import DEFAULT_TRANSFER_DIR, FORCED_SETTINGS, vllm_refusal
 from dflash_queue.errors import ConfigError
 
@@ -67,8 +67,7 @@ def transfer_bytes(config: Config, text_config: Any) -> int:
     tokens (every aux layer the engine caches, in its dtype); the directory holds a few sequences at a time."""
     settings = config.extract.vllm
     num_layers = int(text_config.num_hidden_layers)
-    layer_ids = resolve_layer_ids(config.extract.layer_ids, num_layers, config.extract.num_draft_layers)
-    aux = vllm_aux_layer_ids(layer_ids, num_layers, config.extract.final_norm_state)
+    aux = vllm_aux_layer_ids(config.extract.captured_entries(num_layers), num_layers)
     tokens = config.extract_context_len()
     dtype_bytes = GPU_DTYPE_BYTES[settings.dtype or config.model.dtype]
     return tokens * len(aux) * int(text_config.hidden_size) * dtype_bytes * settings.inflight_tasks

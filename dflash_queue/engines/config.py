@@ -174,9 +174,16 @@ class ExtractConfig(Section):
     confined to its sequence (attention with windows, soft-capping and sinks; Qwen3.5/Qwen3-Next linear
     attention), else right-padded batches; chosen at load, confirmed by a probe and logged. "packed" refuses a
     model that cannot be packed exactly; "padded" never packs."""
+    last_layer_state: bool = False
+    """Also store the last decoder layer's output before the final norm, as an entry of its own after the K layers,
+    marked `last_layer` in the shard metadata: the verifier's last hidden state as vLLM (aux layer N) and
+    speculators' EAGLE-3 and DFlash trainers take it (they apply the verifier's norm themselves).
+    `export --format speculators` needs it."""
     final_norm_state: bool = False
-    """Also store the last layer's output after the model's final norm (what EAGLE-3 trainers call the last hidden
-    state), as one more entry after the K layers, marked `final_norm` in the shard metadata."""
+    """Also store the last layer's output after the model's final norm (Transformers' last hidden_states entry: the
+    target hidden state SpecForge's EAGLE-3 trainer reads), as one more entry after the K layers (and after the
+    `last_layer` entry), marked `final_norm` in the shard metadata. `export --format specforge --method eagle3`
+    needs it."""
     canary_samples: Annotated[int, Field(ge=0)] = 1
     """Samples per shard recomputed alone and compared with their states from the shared pass (chosen from the shard
     id, so a re-delivery checks the same ones): through the model's own attention (Transformers engine), or as a
@@ -193,6 +200,15 @@ class ExtractConfig(Section):
     """`plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
     larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object."""
     vllm: ExtractVllmConfig = ExtractVllmConfig()
+
+    def captured_entries(self, num_layers: int) -> list[tuple[int, str]]:
+        """What each stored entry is, in order, for a model of `num_layers` layers: (decoder layer id, kind)."""
+        from dflash_queue.engines.layers import captured_entries, resolve_layer_ids
+
+        layer_ids = resolve_layer_ids(self.layer_ids, num_layers, self.num_draft_layers)
+        return captured_entries(
+            layer_ids, num_layers, last_layer_state=self.last_layer_state, final_norm_state=self.final_norm_state
+        )
 
     @model_validator(mode="after")
     def _layer_ids_distinct(self) -> ExtractConfig:

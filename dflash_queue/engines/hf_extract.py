@@ -42,12 +42,12 @@ from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout, spread_device_map
 from dflash_queue.engines.devices import resolve_device, resolve_dtype, spread_gpu_count
 from dflash_queue.engines.extract_probe import confirm_mode
-from dflash_queue.engines.layers import resolve_layer_ids
+from dflash_queue.engines.layers import captured_entries, resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
 from dflash_queue.engines.passes import packed_inputs, padded_inputs, plan_passes, summarize, token_stats
 from dflash_queue.engines.state_checks import default_tolerance
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
-from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
+from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class HiddenStateExtractor:
         pin_memory: bool = True,
         packing: str = "auto",
         final_norm_state: bool = False,
+        last_layer_state: bool = False,
     ) -> None:
         resolved = resolve_device(device)
         layout = read_layout(model_path)
@@ -101,7 +102,7 @@ class HiddenStateExtractor:
         if device_map:
             log.info("decoder layers spread over %d GPUs: %s", gpus, _layers_per_gpu(device_map))
         self._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation, pin_memory,
-                     final_norm_state)
+                     final_norm_state, last_layer_state)
 
     @classmethod
     def from_model(
@@ -115,13 +116,14 @@ class HiddenStateExtractor:
         pin_memory: bool = True,
         packing: str = "auto",
         final_norm_state: bool = False,
+        last_layer_state: bool = False,
     ) -> HiddenStateExtractor:
         """An extractor around a base model already in memory, on its device and in its dtype. The model is
         changed in place: layers above the highest captured one are dropped and the attention backend is set."""
         profile = require_supported(model.config, attn_implementation, packing)
         extractor = cls.__new__(cls)
         extractor._attach(model, profile, layer_ids, num_draft_layers, token_budget, attn_implementation,
-                          pin_memory, final_norm_state)
+                          pin_memory, final_norm_state, last_layer_state)
         return extractor
 
     def _attach(
@@ -134,6 +136,7 @@ class HiddenStateExtractor:
         attn_implementation: str,
         pin_memory: bool,
         final_norm_state: bool,
+        last_layer_state: bool = False,
     ) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget must be >= 1, got {token_budget}")
@@ -145,16 +148,16 @@ class HiddenStateExtractor:
         self.num_model_layers: int = profile.num_layers
         self.hidden_size: int = profile.hidden_size
         self.layer_ids = resolve_layer_ids(tuple(layer_ids), self.num_model_layers, num_draft_layers)
-        # What each of the K captured entries is: (decoder layer id, DECODER_OUTPUT or FINAL_NORM).
-        self.captured: list[tuple[int, str]] = [(i, DECODER_OUTPUT) for i in self.layer_ids]
-        if final_norm_state:
-            self.captured.append((self.num_model_layers - 1, FINAL_NORM))
+        # What each captured entry is: (decoder layer id, DECODER_OUTPUT, LAST_LAYER or FINAL_NORM).
+        self.captured: list[tuple[int, str]] = captured_entries(
+            self.layer_ids, self.num_model_layers, last_layer_state=last_layer_state, final_norm_state=final_norm_state
+        )
         self.token_budget = token_budget
         # Shrinks (and stays shrunk) when a forward pass runs out of device memory.
         self.effective_token_budget = token_budget
         self.attn_implementation = attn_implementation
         self.reference_attention = native_attention(profile, attn_implementation)
-        keep = self.num_model_layers if final_norm_state else max(self.layer_ids) + 1
+        keep = self.num_model_layers if final_norm_state or last_layer_state else max(self.layer_ids) + 1
         # A Transformers decoder: its config's attributes depend on the architecture.
         self.model: Any = _truncate_layers(model, keep).eval()
         self.mode: str = profile.mode
@@ -165,7 +168,7 @@ class HiddenStateExtractor:
         self._hooks = [
             decoder_layers(self.model)[layer_id].register_forward_hook(self._capture_hook(position))
             for position, (layer_id, kind) in enumerate(self.captured)
-            if kind == DECODER_OUTPUT
+            if kind in (DECODER_OUTPUT, LAST_LAYER)
         ]
         if final_norm_state:
             norm = getattr(self.model, "norm", None)
@@ -173,7 +176,8 @@ class HiddenStateExtractor:
                 raise UnsupportedArchitecture(
                     f"{profile.text_model_type} has no final norm module ('norm'): extract.final_norm_state needs one"
                 )
-            self._hooks.append(norm.register_forward_hook(self._capture_hook(len(self.captured) - 1)))
+            final = next(position for position, (_, kind) in enumerate(self.captured) if kind == FINAL_NORM)
+            self._hooks.append(norm.register_forward_hook(self._capture_hook(final)))
         self._segment_linear_attention()
         self.use_mode(self.mode)
         confirm_mode(self)

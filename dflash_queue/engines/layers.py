@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
+
 
 def dflash_layer_ids(num_layers: int, num_draft_layers: int) -> list[int]:
     """The DFlash release's `build_target_layer_ids`: the middle layer (N // 2) for one draft layer, else K
@@ -35,14 +37,27 @@ def resolve_layer_ids(explicit: tuple[int, ...], num_layers: int, num_draft_laye
     return layer_ids
 
 
-def vllm_aux_ids_of_entries(layer_ids: Sequence[int], num_layers: int, final_norm_state: bool) -> list[int]:
+def captured_entries(
+    layer_ids: Sequence[int], num_layers: int, *, last_layer_state: bool = False, final_norm_state: bool = False
+) -> list[tuple[int, str]]:
+    """What each stored entry is, in order: (decoder layer id, kind). The K layers' outputs, then the last
+    layer's output before the final norm (extract.last_layer_state), then after it (extract.final_norm_state)."""
+    entries = [(layer, DECODER_OUTPUT) for layer in layer_ids]
+    if last_layer_state:
+        entries.append((num_layers - 1, LAST_LAYER))
+    if final_norm_state:
+        entries.append((num_layers - 1, FINAL_NORM))
+    return entries
+
+
+def vllm_aux_ids_of_entries(entries: Sequence[tuple[int, str]], num_layers: int) -> list[int]:
     """vLLM's aux layer id of each stored entry, in the entries' order. vLLM's aux id k is the residual stream
-    before decoder layer k (Transformers' hidden_states[k]): decoder layer i's output is aux id i + 1, and the
-    final-norm entry is computed from aux id N, the last layer's output before the norm."""
-    return [i + 1 for i in layer_ids] + ([num_layers] if final_norm_state else [])
+    before decoder layer k (Transformers' hidden_states[k] for k < N): decoder layer i's output is aux id i + 1;
+    the last layer's output before the norm is aux id N, and the final-norm entry is computed from it."""
+    return [layer + 1 if kind == DECODER_OUTPUT else num_layers for layer, kind in entries]
 
 
-def vllm_aux_layer_ids(layer_ids: Sequence[int], num_layers: int, final_norm_state: bool) -> list[int]:
+def vllm_aux_layer_ids(entries: Sequence[tuple[int, str]], num_layers: int) -> list[int]:
     """The aux layers vLLM's extract_hidden_states caches for these entries: distinct and ascending, the order it
     caches them in whatever order they are asked for."""
-    return sorted(set(vllm_aux_ids_of_entries(layer_ids, num_layers, final_norm_state)))
+    return sorted(set(vllm_aux_ids_of_entries(entries, num_layers)))

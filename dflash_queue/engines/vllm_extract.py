@@ -74,7 +74,7 @@ from dflash_queue.errors import (
     NonFiniteHiddenStates,
     UnsupportedArchitecture,
 )
-from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM
+from dflash_queue.shards.training import FINAL_NORM
 
 log = logging.getLogger(__name__)
 
@@ -276,15 +276,14 @@ class VllmStateExtractor:
         self.layer_ids = resolve_layer_ids(
             config.extract.layer_ids, self.num_model_layers, config.extract.num_draft_layers
         )
-        self.captured: list[tuple[int, str]] = [(i, DECODER_OUTPUT) for i in self.layer_ids]
-        if config.extract.final_norm_state:
-            self.captured.append((self.num_model_layers - 1, FINAL_NORM))
-        final_norm = config.extract.final_norm_state
-        wanted = vllm_aux_ids_of_entries(self.layer_ids, self.num_model_layers, final_norm)
-        self.aux_ids = vllm_aux_layer_ids(self.layer_ids, self.num_model_layers, final_norm)
+        self.captured: list[tuple[int, str]] = config.extract.captured_entries(self.num_model_layers)
+        wanted = vllm_aux_ids_of_entries(self.captured, self.num_model_layers)
+        self.aux_ids = vllm_aux_layer_ids(self.captured, self.num_model_layers)
         # Column of vLLM's states holding each captured entry (the final-norm entry: before its norm).
         self._columns = torch.tensor([self.aux_ids.index(aux) for aux in wanted])
-        self._final_norm_entry = len(self.captured) - 1 if config.extract.final_norm_state else None
+        self._final_norm_entry = next(
+            (position for position, (_, kind) in enumerate(self.captured) if kind == FINAL_NORM), None
+        )
         self.concurrent_tasks = settings.inflight_tasks
         self.device = torch.device("cpu")  # states arrive in host memory
         self.configured_tolerance = config.extract.canary_tolerance

@@ -297,4 +297,5 @@ def build_extractor(config: Config) -> ExtractEngine:
         pin_memory=config.extract.pin_memory,
         packing=config.extract.packing,
         final_norm_state=config.extract.final_norm_state,
+        last_layer_state=config.extract.last_layer_state,
     )

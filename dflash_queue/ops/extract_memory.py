@@ -109,7 +109,7 @@ def _vllm(
     kv_bytes = KV_CACHE_BYTES.get(settings.kv_cache_dtype, dtype_bytes)
     parameters, weight_bytes, source = _checkpoint_weights(config.model.path, model_config, count, dtype_bytes)
     per_gpu_weights = weight_bytes / gpus
-    aux = vllm_aux_layer_ids(layer_ids, len(count.layers), config.extract.final_norm_state)
+    aux = vllm_aux_layer_ids(config.extract.captured_entries(len(count.layers)), len(count.layers))
     kv_per_token = kv_cache_bytes_per_token(text, kv_bytes, gpus)
     states_per_token = len(aux) * int(text.hidden_size) * dtype_bytes
     budget = settings.gpu_memory_utilization * gpu_memory
@@ -158,10 +158,10 @@ def _transformers(
 ) -> ExtractMemory:
     extract = config.extract
     dtype_bytes = GPU_DTYPE_BYTES[config.model.dtype]  # "auto" is bfloat16 on a GPU
-    kept = len(count.layers) if extract.final_norm_state else max(layer_ids) + 1
+    kept = len(count.layers) if extract.final_norm_state or extract.last_layer_state else max(layer_ids) + 1
     loaded = count.embedding + sum(count.layers[:kept]) + count.final_norm  # AutoModel: no LM head
     weight_bytes = float(loaded * dtype_bytes)
-    captured = len(layer_ids) + int(extract.final_norm_state)
+    captured = len(extract.captured_entries(len(count.layers)))
     activations = float(pass_activation_bytes(text, extract.token_budget, captured, dtype_bytes))
     per_gpu = weight_bytes / gpus + activations
     flop = 2.0 * sum(count.active_layers[:kept])

@@ -184,4 +184,5 @@ def model_shape(config: Config) -> ModelShape:
     model_config = AutoConfig.from_pretrained(config.model.path)
     text = getattr(model_config, "text_config", None) or model_config
     layer_ids = resolve_layer_ids(config.extract.layer_ids, text.num_hidden_layers, config.extract.num_draft_layers)
-    return ModelShape(len(layer_ids) + int(config.extract.final_norm_state), text.hidden_size)
+    entries = len(layer_ids) + int(config.extract.last_layer_state) + int(config.extract.final_norm_state)
+    return ModelShape(entries, text.hidden_size)

@@ -10,8 +10,9 @@ Tensors:
 
 Metadata (all strings, JSON where structured) says what the tensors mean: target model, layer ids and their
 convention, what each captured entry is (`layer_states`: "decoder_output", the residual stream after decoder
-layer i before any norm, or "final_norm", the last layer after the model's final norm, which is Transformers'
-last `hidden_states` entry), how the states were computed (`extraction`: "packed" or "padded") and the canary's
+layer i before any norm; "last_layer", the same for the last decoder layer, stored as the verifier's last state;
+or "final_norm", the last layer after the model's final norm, which is Transformers' last `hidden_states`
+entry), how the states were computed (`extraction`: "packed" or "padded") and the canary's
 check of them (`canary`: samples recomputed alone and their relative error per layer), dtype, sample ids (a
 sample stored as one sequence per regenerated turn has one row per turn, and `sample_turns` says which),
 finish reasons, versions, and the quality gate's word per sample (`quality`:
@@ -39,10 +40,14 @@ FORMAT_VERSION = "1"
 # "Layer i" is the output of decoder layer i (before the final norm): Transformers' hidden_states[i + 1].
 LAYER_CONVENTION = "decoder_layer_output"
 HF_HIDDEN_STATES_INDEX = "layer_id + 1"
-# What a captured entry is: the residual stream after its decoder layer, or the last layer after the final norm.
+# What a captured entry is: the residual stream after its decoder layer (a layer the drafter conditions on); the
+# last decoder layer's output before the final norm, stored as the verifier's last state (vLLM's aux layer N: what
+# speculators' trainers normalise themselves); or the last layer after the final norm (Transformers' last
+# hidden_states entry: what SpecForge's EAGLE-3 trainer takes as the target's hidden state).
 DECODER_OUTPUT = "decoder_output"
+LAST_LAYER = "last_layer"
 FINAL_NORM = "final_norm"
-LAYER_STATES = (DECODER_OUTPUT, FINAL_NORM)
+LAYER_STATES = (DECODER_OUTPUT, LAST_LAYER, FINAL_NORM)
 
 @dataclass(frozen=True)
 class ExtractedSample:

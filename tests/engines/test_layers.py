@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from dflash_queue.engines.layers import (
+    captured_entries,
     dflash_layer_ids,
     eagle3_layer_ids,
     resolve_layer_ids,
@@ -53,13 +54,22 @@ def test_explicit_ids_win_and_are_checked():
         dflash_layer_ids(6, 5)
 
 
-def test_decoder_layer_i_is_vllms_aux_layer_i_plus_one_and_the_final_norm_comes_from_aux_layer_n():
-    assert vllm_aux_ids_of_entries([0, 61, 16], 64, True) == [1, 62, 17, 64]
-    assert vllm_aux_ids_of_entries([63], 64, True) == [64, 64]
+def test_stored_entries_are_the_layers_then_the_last_layer_before_and_after_the_norm():
+    assert captured_entries([5, 1], 64) == [(5, "decoder_output"), (1, "decoder_output")]
+    assert captured_entries([5, 1], 64, last_layer_state=True, final_norm_state=True) == [
+        (5, "decoder_output"), (1, "decoder_output"), (63, "last_layer"), (63, "final_norm")
+    ]
+
+
+def test_decoder_layer_i_is_vllms_aux_layer_i_plus_one_and_the_last_layer_is_aux_layer_n():
+    entries = captured_entries([0, 61, 16], 64, last_layer_state=True, final_norm_state=True)
+    assert vllm_aux_ids_of_entries(entries, 64) == [1, 62, 17, 64, 64]
+    assert vllm_aux_ids_of_entries(captured_entries([63], 64, final_norm_state=True), 64) == [64, 64]
 
 
 def test_vllms_aux_layers_are_distinct_and_ascending():
-    # Decoder layer i's output is aux layer i + 1; the final-norm entry reads aux layer N (64 here).
-    assert vllm_aux_layer_ids([61, 0, 16], 64, False) == [1, 17, 62]
-    assert vllm_aux_layer_ids([61, 0, 16], 64, True) == [1, 17, 62, 64]
-    assert vllm_aux_layer_ids([63], 64, True) == [64]  # the last layer and the final norm share one cached layer
+    # Decoder layer i's output is aux layer i + 1; the last layer and the final-norm entry read aux layer N (64).
+    assert vllm_aux_layer_ids(captured_entries([61, 0, 16], 64), 64) == [1, 17, 62]
+    assert vllm_aux_layer_ids(captured_entries([61, 0, 16], 64, final_norm_state=True), 64) == [1, 17, 62, 64]
+    both = captured_entries([63], 64, last_layer_state=True, final_norm_state=True)
+    assert vllm_aux_layer_ids(both, 64) == [64]  # one cached layer for three entries

@@ -22,7 +22,7 @@ from dflash_queue.errors import EngineStatesInvalid
 from dflash_queue.lanes.extract import ExtractLane
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
-from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, TrainingShard
+from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER, TrainingShard
 from dflash_queue.storage import open_storage
 from dfq_testing.references import reference_model, reference_states
 
@@ -31,7 +31,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # Not in ascending order, and the last layer both as itself and through the final norm: vLLM caches its aux
 # layers in ascending order, and the last layer's output before the norm is its aux id N.
 LAYER_IDS = [4, 0, 5, 2]
-CAPTURED = [(4, DECODER_OUTPUT), (0, DECODER_OUTPUT), (5, DECODER_OUTPUT), (2, DECODER_OUTPUT), (5, FINAL_NORM)]
+CAPTURED = [
+    (4, DECODER_OUTPUT), (0, DECODER_OUTPUT), (5, DECODER_OUTPUT), (2, DECODER_OUTPUT), (5, LAST_LAYER), (5, FINAL_NORM)
+]
 # A step prefills at most this many tokens: longer sequences are prefilled in chunks over several steps.
 STEP_TOKENS = 64
 MAX_MODEL_LEN = 1024
@@ -62,7 +64,8 @@ def config(family, tmp_path_factory):
             tmp / "config.toml",
             tables,
             model={"name": "qwen3", "dtype": "float32"},
-            extract={"engine": "vllm", "layer_ids": LAYER_IDS, "final_norm_state": True, "hidden_dtype": "float32"},
+            extract={"engine": "vllm", "layer_ids": LAYER_IDS, "last_layer_state": True, "final_norm_state": True,
+                     "hidden_dtype": "float32"},
             **{
                 "extract.vllm": {
                     "dtype": "float32",
@@ -135,13 +138,15 @@ def test_states_equal_the_checkpoints_own_forward_of_each_sequence_alone(extract
             assert scale > 1.0  # scaled weights: an error would show
             torch.testing.assert_close(result.states[:, k], want[:, k], rtol=1e-5, atol=1e-5 * scale)
         # The final norm is the checkpoint's own (its weights are not all 1): not the state before it.
-        assert compare_states(result.states[:, 2:3], result.states[:, 4:5]).worst > 0.1
+        assert compare_states(result.states[:, 2:3], result.states[:, 5:6]).worst > 0.1
+        assert torch.equal(result.states[:, 2], result.states[:, 4])  # the last layer, as itself and as last_layer
 
 
 def test_states_equal_the_transformers_engines(extractor, family):
     requests = random_requests(LENGTHS, seed=1)
     transformers_engine = HiddenStateExtractor(
-        str(family), layer_ids=LAYER_IDS, final_norm_state=True, device="cpu", dtype="float32", token_budget=256
+        str(family), layer_ids=LAYER_IDS, last_layer_state=True, final_norm_state=True, device="cpu", dtype="float32",
+        token_budget=256,
     )
     try:
         expected = transformers_engine.capture(requests)
