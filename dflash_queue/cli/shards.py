@@ -24,10 +24,16 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 @click.option(
     "-f", "--format", "format_name", required=True,
     type=click.Choice(["specforge", "speculators", "messages", "parquet"]),
-    help="specforge: data_N.ckpt (torch.save, K layers concatenated); speculators: hs_N.safetensors [T, K, H]; "
-    "messages: the regenerated conversations as OpenAI-messages JSONL; parquet: the same as a Parquet table "
-    "(for these two, SHARDS is the run's storage and -c or --tokenizer decodes the replies).",
+    help="specforge: data_N.ckpt files for SpecForge's offline trainer; speculators: the datasets table and "
+    "hidden_states/hs_N.safetensors files speculators' trainer reads; messages: the regenerated conversations as "
+    "OpenAI-messages JSONL; parquet: the same as a Parquet table (for these two, SHARDS is the run's storage and -c "
+    "or --tokenizer decodes the replies).",
 )
+@click.option("--method", type=click.Choice(["dflash", "eagle3"]), default="dflash", show_default=True,
+              help="specforge / speculators: the drafter the export is for (SpecForge's EAGLE-3 layout differs from "
+              "its DFlash one; for speculators it sets the speculator type of the train command).")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="speculators: seed of the file order (its trainer holds out the last rows for validation).")
 @click.option("-c", "--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="messages / parquet: the deployment config whose tokenizer decodes the replies.")
 @click.option("--tokenizer", "tokenizer_path", type=click.Path(exists=True, path_type=Path),
@@ -43,6 +49,8 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 def export(
     shards: str,
     format_name: str,
+    method: str,
+    seed: int,
     config_path: Path | None,
     tokenizer_path: Path | None,
     out: str,
@@ -52,9 +60,10 @@ def export(
     drop_flagged: bool,
 ) -> None:
     """Write every sample of SHARDS (a shard, a directory or a storage URL) to OUT, one file per sample, in
-    the layout of SpecForge or vLLM speculators, with layer ids converted to the target's convention; or the
-    regenerated conversations of a run's storage (SHARDS) as OpenAI-messages JSONL or Parquet."""
-    from dflash_queue.exports import FORMATS, export_dataset
+    the layout SpecForge's or vLLM speculators' trainer reads for the drafter of --method, with the layer ids and
+    config fields to give the trainer in OUT/export.json; or the regenerated conversations of a run's storage
+    (SHARDS) as OpenAI-messages JSONL or Parquet."""
+    from dflash_queue.exports import export_dataset, export_format
     from dflash_queue.exports.runner import hidden_dtype_named
     from dflash_queue.storage import open_storage
     from dflash_queue.training import ShardDataset
@@ -80,9 +89,14 @@ def export(
         with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task("samples", total=len(dataset))
             report = export_dataset(
-                dataset, FORMATS[format_name], target, source=shards, on_sample=lambda n: bar.advance(task, n)
+                dataset,
+                export_format(format_name, method),
+                target,
+                source=shards,
+                seed=seed,
+                on_sample=lambda n: bar.advance(task, n),
             )
-    except (ShardFormatError, StorageError, ConfigError) as exc:
+    except (ShardFormatError, StorageError, ConfigError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in report.lines():
         click.echo(line)
@@ -161,7 +175,7 @@ def _export_conversations(root: str, format_name: str, out: str, tokenizer: Any,
             report = export_conversations(
                 storage, target, tokenizer, format_name, on_shard=lambda n: bar.advance(task, n)
             )
-    except (ShardFormatError, StorageError, ConfigError) as exc:
+    except (ShardFormatError, StorageError, ConfigError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
     for line in report.lines():
         click.echo(line)

@@ -1,15 +1,18 @@
-"""Exports of training shards to the per-sample layouts of SpecForge and vLLM speculators."""
+"""Exports of training shards to the layouts SpecForge's and vLLM speculators' trainers read."""
 
-from dflash_queue.exports.formats import FORMATS, ExportFormat
+from dflash_queue.exports.formats import FORMAT_NAMES, METHODS, ExportFormat, ExportRefused, export_format
 from dflash_queue.exports.runner import ExportReport, export_dataset
 from dflash_queue.shards.layer_conventions import LayerConventionError, checked_layer_ids, convert_layer_ids
 
 __all__ = [
-    "FORMATS",
+    "FORMAT_NAMES",
+    "METHODS",
     "ExportFormat",
+    "ExportRefused",
     "ExportReport",
     "LayerConventionError",
     "checked_layer_ids",
     "convert_layer_ids",
     "export_dataset",
+    "export_format",
 ]

@@ -1,14 +1,18 @@
-"""`dflash-queue export`: every kept sample of a set of shards, one file per sample, in a peer's layout.
+"""`dflash-queue export`: every kept sample of a set of shards, one file per sample, in a trainer's layout.
 
-Next to the files: `export.json` (format, source, model, layer ids in the target's convention and in this
-project's, dtype, counts) and `index.jsonl` (one line per file: file, sample id, shard, tokens, finish reason,
-quality flags). Files are numbered in the dataset's order (shards sorted by key, samples in shard order), so
-the same shards and filters always give the same numbering.
+What the trainer needs is checked on every shard first (layer conventions, and the entries its format reads:
+formats.py), so that a refused export writes nothing. Next to the files: `export.json` (format, method, source,
+model, the layer ids and config fields to give the trainer, the stored entries and what each file holds, dtype,
+counts) and `index.jsonl` (one line per file: file, sample id, shard, tokens, finish reason, quality flags).
+Files are numbered in the dataset's order (shards sorted by key, samples in shard order), or in a seeded random
+order of it for a trainer that holds out its last rows for validation (speculators), so the same shards, filters
+and seed always give the same numbering. Samples the trainer cannot take are left out and counted.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import tempfile
 from collections import Counter
 from collections.abc import Callable
@@ -17,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_queue.exports.formats import ExportFormat
-from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids, convert_layer_ids
-from dflash_queue.shards.training import FINAL_NORM
+from dflash_queue.exports.formats import ExportFormat, Speculators, StoredLayers
+from dflash_queue.exports.speculators_table import SpeculatorsTable
+from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids
 from dflash_queue.storage.base import Storage
 from dflash_queue.training.dataset import ShardDataset
 
@@ -30,28 +34,42 @@ INDEX = "index.jsonl"
 @dataclass
 class ExportReport:
     format: str
+    method: str
     out: str
     samples: int = 0
     tokens: int = 0
     bytes_written: int = 0
     target_layer_ids: list[int] = field(default_factory=list)
     layer_ids_key: str = ""
+    trainer: dict = field(default_factory=dict)
     bad_shards: list[tuple[str, str]] = field(default_factory=list)
-    dropped: Counter[str] = field(default_factory=Counter)
-    notes: list[str] = field(default_factory=list)
+    dropped: Counter[str] = field(default_factory=Counter)  # left out by the dataset's filters
+    skipped: Counter[str] = field(default_factory=Counter)  # left out because the trainer cannot take them
 
     def lines(self) -> list[str]:
         out = [
             f"exported:    {self.samples} samples, {self.tokens} tokens, {self.bytes_written / 1e6:.1f} MB "
-            f"as {self.format} in {self.out}",
+            f"as {self.format} ({self.method}) in {self.out}",
             f"layers:      {self.layer_ids_key} = {self.target_layer_ids}",
         ]
         if self.dropped:
             out.append("filtered:    " + ", ".join(f"{n} ({reason})" for reason, n in sorted(self.dropped.items())))
+        if self.skipped:
+            out.append("left out:    " + ", ".join(f"{n} ({reason})" for reason, n in sorted(self.skipped.items())))
         for key, problem in self.bad_shards:
             out.append(f"bad shard:   {key}: {problem}")
-        out.extend(f"note:        {note}" for note in self.notes)
         return out
+
+
+def stored_layers(dataset: ShardDataset) -> StoredLayers:
+    """The shards' entries, after checking every shard's layer convention (the dataset made them agree)."""
+    found: StoredLayers | None = None
+    for index in dataset.shards:
+        layers, num_layers = checked_layer_ids(index)
+        found = StoredLayers(tuple(layers), tuple(index.layer_states), num_layers)
+    if found is None:
+        raise ValueError("no readable shard to export")
+    return found
 
 
 def export_dataset(
@@ -60,72 +78,87 @@ def export_dataset(
     out: Storage,
     *,
     source: str,
+    seed: int = 0,
     on_sample: Callable[[int], None] | None = None,
 ) -> ExportReport:
-    """Write every sample of `dataset` into `out`; layer conventions are checked on every shard first."""
+    """Write every sample of `dataset` the trainer can take into `out`. Raises ExportRefused (naming the setting
+    to extract with) before writing anything when the shards lack what the trainer reads."""
+    layers = stored_layers(dataset)
+    selection = export_format.select(layers)
     report = ExportReport(
         export_format.name,
+        export_format.method,
         out.url,
+        target_layer_ids=list(selection.trainer_layer_ids),
         layer_ids_key=export_format.layer_ids_key,
+        trainer=export_format.trainer_fields(layers, selection),
         bad_shards=list(dataset.bad_shards),
         dropped=Counter(dataset.dropped),
     )
-    layers: list[int] | None = None
-    num_layers, layer_states = 0, tuple[str, ...]()
-    for index in dataset.shards:
-        layers, num_layers = checked_layer_ids(index)  # the dataset already made every shard agree
-        layer_states = index.layer_states
-    if layers is None:
-        raise ValueError("no readable shard to export")
-    report.target_layer_ids = convert_layer_ids(layers, DECODER_LAYER_OUTPUT, export_format.layer_convention)
-    if export_format.name == "speculators" and layer_states[-1] != FINAL_NORM:
-        report.notes.append(
-            f"speculators reads the last of the K layers as the target's final hidden state (after the final "
-            f"norm); the last entry of these shards is decoder layer {layers[-1]} of {num_layers} before any norm "
-            "(extract with extract.final_norm_state = true for EAGLE-3 training)"
-        )
-
-    with tempfile.NamedTemporaryFile("w+", prefix="dfq-export-index-", suffix=".jsonl") as index_file:
-        for number in range(len(dataset)):
-            item = dataset[number]
-            name = export_format.file_name(number)
-            data = export_format.encode(item, report.target_layer_ids)
-            out.write_bytes(name, data)
-            tokens = int(item["input_ids"].shape[0])
-            report.samples += 1
-            report.tokens += tokens
-            report.bytes_written += len(data)
-            entry = {
-                "file": name,
-                "sample_id": item["sample_id"],
-                "shard": item["shard"],
-                "num_tokens": tokens,
-                "finish_reason": item["finish_reason"],
-                "quality_flags": item["quality_flags"],
-            }
-            index_file.write(json.dumps(entry) + "\n")
-            if on_sample is not None:
-                on_sample(1)
-        index_file.flush()
-        out.write_file(INDEX, Path(index_file.name))
+    order = list(range(len(dataset)))
+    if export_format.shuffled:
+        random.Random(seed).shuffle(order)
+    table = SpeculatorsTable() if isinstance(export_format, Speculators) else None
+    try:
+        with tempfile.NamedTemporaryFile("w+", prefix="dfq-export-index-", suffix=".jsonl") as index_file:
+            for position in order:
+                item = dataset[position]
+                if on_sample is not None:
+                    on_sample(1)
+                reason = export_format.skip_reason(item)
+                if reason is not None:
+                    report.skipped[reason] += 1
+                    continue
+                name = export_format.file_name(report.samples)
+                data = export_format.encode(item, selection)
+                out.write_bytes(name, data)
+                if table is not None:
+                    table.add(item["input_ids"], item["loss_mask"])
+                tokens = int(item["input_ids"].shape[0])
+                report.samples += 1
+                report.tokens += tokens
+                report.bytes_written += len(data)
+                entry = {
+                    "file": name,
+                    "sample_id": item["sample_id"],
+                    "shard": item["shard"],
+                    "num_tokens": tokens,
+                    "finish_reason": item["finish_reason"],
+                    "quality_flags": item["quality_flags"],
+                }
+                index_file.write(json.dumps(entry) + "\n")
+            index_file.flush()
+            out.write_file(INDEX, Path(index_file.name))
+        extra_files = table.finish(out) if table is not None else []
+    finally:
+        if table is not None:
+            table.close()
+    written = [layers.states[k] for k in selection.context] + (
+        [layers.states[selection.last]] if selection.last is not None else []
+    )
     manifest = {
         "format": export_format.name,
+        "method": export_format.method,
         "source": source,
         "target_model": dataset.target_model,
-        "num_model_layers": num_layers,
+        "num_model_layers": layers.num_layers,
         "hidden_size": dataset.hidden_size,
         "layer_ids": report.target_layer_ids,
         "layer_convention": export_format.layer_convention,
         export_format.layer_ids_key: report.target_layer_ids,
-        "source_layer_ids": layers,
+        # What each file holds, in order: the context layers, then the trainer's last state (if it reads one).
+        "file_entries": written,
+        "trainer": report.trainer,
+        "source_layer_ids": list(layers.layer_ids),
+        "source_layer_states": list(layers.states),
         "source_layer_convention": DECODER_LAYER_OUTPUT,
-        # Per entry: "decoder_output" (before any norm) or "final_norm" (the last layer after the final norm,
-        # Transformers' hidden_states[num_model_layers]).
-        "layer_states": list(layer_states),
         "hidden_dtype": str(dataset.hidden_dtype).removeprefix("torch."),
+        "shuffle_seed": seed if export_format.shuffled else None,
         "num_samples": report.samples,
         "num_tokens": report.tokens,
         "filtered": dict(report.dropped),
+        "left_out": dict(report.skipped),
+        "extra_files": extra_files,
         "bad_shards": [{"shard": key, "problem": problem} for key, problem in report.bad_shards],
     }
     out.write_bytes(MANIFEST, json.dumps(manifest, indent=2).encode())

@@ -5,9 +5,11 @@ output of decoder layer i, before the final norm, which Transformers returns as 
 
 * `decoder_layer_output`: this project; SpecForge's DFlash `target_layer_ids` (it reads
   `hidden_states[layer_id + 1]`).
-* `hf_hidden_states_index`: an index into Transformers' `hidden_states` tuple (0 is the embedding output);
-  vLLM's `aux_hidden_state_layers` and speculators' `eagle_aux_hidden_state_layer_ids` count this way (vLLM
-  records the residual stream before layer i runs, i.e. the output of layer i - 1).
+* `hf_hidden_states_index`: an index into Transformers' `hidden_states` tuple (0 is the embedding output). Its
+  last entry, N, is after the final norm.
+* `vllm_aux_layer`: vLLM's aux hidden-state layers (speculators' `--target-layer-ids`): k is the residual stream
+  before decoder layer k runs, the output of layer k - 1, the same as Transformers' index for k < N; k = N is the
+  last layer's output before the final norm.
 
 A shard whose metadata names another convention, or contradicts itself, is refused: converting it would shift
 every layer by one without anyone noticing.
@@ -23,7 +25,8 @@ from dflash_queue.shards.training import HF_HIDDEN_STATES_INDEX, LAYER_CONVENTIO
 
 DECODER_LAYER_OUTPUT = LAYER_CONVENTION
 HF_INDEX = "hf_hidden_states_index"
-OFFSETS = {DECODER_LAYER_OUTPUT: 0, HF_INDEX: 1}
+VLLM_AUX_LAYER = "vllm_aux_layer"
+OFFSETS = {DECODER_LAYER_OUTPUT: 0, HF_INDEX: 1, VLLM_AUX_LAYER: 1}
 
 
 class LayerConventionError(ShardFormatError):

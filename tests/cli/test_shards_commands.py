@@ -54,19 +54,26 @@ def test_inspect_fails_on_a_damaged_shard(pipeline_shards, tmp_path):
 def test_export_command_writes_the_files_and_reports(pipeline_shards, tmp_path):
     root = tmp_path / "run"
     shutil.copytree(pipeline_shards["bfloat16"].storage.url, root)
-    out = tmp_path / "speculators"
-    result = CliRunner().invoke(main, ["export", str(root), "--format", "speculators", str(out), "--finish-reason", "stop"])
+    out = tmp_path / "specforge"
+    result = CliRunner().invoke(main, ["export", str(root), "--format", "specforge", str(out), "--finish-reason", "stop"])
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "export.json").read_text())
-    assert f"exported:    {manifest['num_samples']} samples" in result.output
-    assert "eagle_aux_hidden_state_layer_ids = [2, 3, 4]" in result.output
-    assert len(list(out.glob("hs_*.safetensors"))) == manifest["num_samples"] > 0
+    assert f"exported:    {manifest['num_samples']} samples" in result.output and "as specforge (dflash)" in result.output
+    assert "dflash_config.target_layer_ids = [1, 2, 3]" in result.output
+    assert len(list(out.glob("data_*.ckpt"))) == manifest["num_samples"] > 0
+
+    # These shards hold no last-layer entry: speculators' export is refused, with the setting that adds it.
+    refused = CliRunner().invoke(main, ["export", str(root), "-f", "speculators", str(tmp_path / "sp")])
+    assert refused.exit_code == 1 and "extract with extract.last_layer_state = true" in refused.output
+    assert not (tmp_path / "sp").exists()
 
     (root / "shards" / "broken.safetensors").write_bytes(b"\x00" * 40)
     result = CliRunner().invoke(main, ["export", str(root), "-f", "specforge", str(tmp_path / "sf")])
     assert result.exit_code == 1
     assert "bad shard:   shards/broken.safetensors:" in result.output
-    assert len(list((tmp_path / "sf").glob("data_*.ckpt"))) == 12  # the good shards are still exported
+    exported = json.loads((tmp_path / "sf" / "export.json").read_text())
+    assert exported["num_samples"] + sum(exported["left_out"].values()) == 12  # the good shards are still exported
+    assert len(list((tmp_path / "sf").glob("data_*.ckpt"))) == exported["num_samples"]
 
     result = CliRunner().invoke(main, ["export", str(tmp_path / "nothing"), "-f", "specforge", str(tmp_path / "x")])
     assert result.exit_code == 1 and "no such shard file or directory" in result.output

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from dflash_queue.shards.completions import decode_completions
@@ -62,13 +61,15 @@ def test_run_with_fp8_then_train_export_and_inspect(tiny_model, tmp_path):
             seen.add(sample_id)
     assert seen == set(generated)
 
-    exported = cli("export", str(out), "--format", "speculators", str(tmp_path / "hs"))
+    exported = cli("export", str(out), "--format", "specforge", str(tmp_path / "sf"))
     assert exported.returncode == 0, exported.stderr[-4000:]
-    manifest = json.loads((tmp_path / "hs" / "export.json").read_text())
-    assert manifest["num_samples"] == 16 and manifest["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
-    for line in (tmp_path / "hs" / "index.jsonl").read_text().splitlines():
+    manifest = json.loads((tmp_path / "sf" / "export.json").read_text())
+    assert manifest["num_samples"] + sum(manifest["left_out"].values()) == 16
+    assert manifest["dflash_config.target_layer_ids"] == [1, 2, 3]
+    for line in (tmp_path / "sf" / "index.jsonl").read_text().splitlines():
         row = json.loads(line)
-        assert load_file(str(tmp_path / "hs" / row["file"]))["token_ids"].tolist() == generated[row["sample_id"]]
+        saved = torch.load(tmp_path / "sf" / row["file"], weights_only=True)
+        assert saved["input_ids"].tolist() == generated[row["sample_id"]]
 
     shard = out / dataset.keys[0]
     inspected = cli("inspect", str(shard), "-c", str(config_path), "--deep", "--json")
