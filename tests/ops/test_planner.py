@@ -77,7 +77,7 @@ def test_shard_size_and_extract_worker_memory_at_the_target_shape():
                            hidden_dtype="fp8_e4m3", canary_samples=0, activation_bytes=7) == 2 * 300 * 10 * 4 + 300 * 40 + 7
 
 
-def test_model_shape_of_a_multimodal_checkpoint_counts_the_final_norm_entry(make_config, tiny_family):
+def test_model_shape_of_a_multimodal_checkpoint_counts_the_last_layer_entries(make_config, tiny_family):
     from dflash_queue.ops.planner import model_shape
 
     config = make_config("q35.toml", model={"path": str(tiny_family("qwen3_5"))}, extract={"num_draft_layers": 3})
@@ -85,6 +85,9 @@ def test_model_shape_of_a_multimodal_checkpoint_counts_the_final_norm_entry(make
     with_norm = make_config("q35n.toml", model={"path": str(tiny_family("qwen3_5"))},
                             extract={"num_draft_layers": 3, "final_norm_state": True})
     assert model_shape(with_norm).num_layers_kept == 4
+    both = make_config("q35b.toml", model={"path": str(tiny_family("qwen3_5"))},
+                       extract={"num_draft_layers": 3, "final_norm_state": True, "last_layer_state": True})
+    assert model_shape(both).num_layers_kept == 5  # the last layer before the norm is an entry of its own
 
 
 def test_output_tokens_from_the_thinking_mix():
