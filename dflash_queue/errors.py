@@ -76,7 +76,22 @@ class OutOfMemoryAtMinimumBudget(SampleDependentError):
 
 
 class NonFiniteHiddenStates(SampleDependentError):
-    """A forward pass produced NaN or infinite hidden states for the named samples."""
+    """A forward pass produced NaN or infinite hidden states for the named samples. The extract engines raise it
+    after checking every sequence's states and handing over the finite ones: the lane isolates the named samples
+    (each costs a dead letter of its own) and stores the rest of the shard."""
+
+
+class NonFiniteRowRefused(ShardFormatError):
+    """The shard writer was handed NaN or infinite states for one row. An engine checks its states before handing
+    them over (and raises NonFiniteHiddenStates for the samples at fault), so this is a caller that skipped that
+    check, not a sample to isolate: the task fails for good, nothing of it is stored and no batch runs again."""
+
+    def __init__(self, sample_id: str) -> None:
+        super().__init__(
+            f"sample {sample_id}: hidden states contain NaN or Inf; the shard writer refuses them (states reach it "
+            "only after the engine's own check)"
+        )
+        self.sample_id = sample_id
 
 
 class EngineStatesInvalid(PermanentError):

@@ -2,13 +2,13 @@
 
 The dataset is read the way the producer reads it (same de-duplication, thinking policy, length filter and
 sharding), so each staged sample has a known shard. Each shard's training file says which samples it holds and
-which the quality gate dropped (its header only is read); dead letters name the samples that failed. A sample
-found nowhere is missing; a sample found in two places is duplicated.
+which the quality gate dropped (its header and offsets are read, and checked as every reader checks them); dead
+letters name the samples that failed. A sample found nowhere is missing; a sample found in two places is
+duplicated.
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -20,7 +20,8 @@ from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.ledger import Ledger
 from dflash_queue.shards.keys import SHARDS, shard_id_of, shard_key
 from dflash_queue.shards.prompts import prompt_shard_id
-from dflash_queue.shards.ranges import open_source, read_layout
+from dflash_queue.shards.ranges import open_source
+from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.storage import Storage, open_storage
 
@@ -82,19 +83,18 @@ def expected_shards(config: Config, datasets: Iterable[str | Path], report: Veri
 
 
 def shard_contents(storage: Storage, key: str) -> tuple[list[str], list[int], list[str]]:
-    """(sample ids, indices of flagged samples, ids dropped by the quality gate) from a shard's header. A sample
-    stored as one sequence per turn has several rows: it is one sample."""
+    """(sample ids, indices of flagged samples, ids dropped by the quality gate) from a shard's header, read and
+    checked by the shards' one reader. A sample stored as one sequence per turn has several rows: it is one
+    sample."""
     source = open_source(storage, key)
     try:
-        meta = read_layout(source).metadata
+        index = ShardIndex.load(source)
     finally:
         source.close()
-    rows = json.loads(meta.get("sample_ids", "[]"))
-    quality = json.loads(meta.get("quality", "[]"))
-    first_rows = {sample_id: row for row, sample_id in reversed(list(enumerate(rows)))}
+    first_rows = {sample_id: row for row, sample_id in reversed(list(enumerate(index.sample_ids)))}
     ids = list(first_rows)
-    flagged = [row for row in first_rows.values() if row < len(quality) and quality[row].get("flags")]
-    dropped = [entry["id"] for entry in json.loads(meta.get("dropped", "[]"))]
+    flagged = [row for row in first_rows.values() if index.quality_flags[row]]
+    dropped = [entry["id"] for entry in index.dropped]
     return ids, flagged, dropped
 
 

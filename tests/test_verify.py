@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from dflash_queue.cli import main
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters, record_id
+from dflash_queue.errors import ShardFormatError
 from dflash_queue.ledger import Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.shards.keys import prompts_key, shard_key
@@ -16,7 +20,8 @@ from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.shards.training import ExtractedSample, ShardInfo
 from dflash_queue.shards.training_writer import write_training_shard
 from dflash_queue.shards.verdicts import Verdict
-from dflash_queue.storage import open_storage
+from dflash_queue.storage import LocalStorage, open_storage
+from dflash_queue.verify import shard_contents
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_DATA = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -80,3 +85,20 @@ def test_verify_finds_missing_duplicated_and_accounts_for_the_rest(make_config, 
     assert f"missing {shards[2][0]}: shard {third} (queued)" in result.output
     places = ", ".join(sorted(f"shards/{i}.safetensors" for i in (first, second)))
     assert f"duplicated {shards[1][0]}: {places}" in result.output
+
+
+def test_a_shard_is_read_through_the_strict_reader(tmp_path):
+    """Ids, flagged rows and drops come from a header the shards' one reader checked: offsets that do not cover
+    the tokens make the shard unreadable, although its header names its samples."""
+    storage = LocalStorage(tmp_path)
+    store_shard(storage, "s1", ["a", "b"], dropped=["c"])
+    ids, flagged, dropped = shard_contents(storage, shard_key("s1"))
+    assert sorted(ids) == ["a", "b"] and flagged == [0] and dropped == ["c"]
+    path = storage.path_of(shard_key("s1"))
+    values = load_file(str(path))
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+    values["offsets"] = torch.tensor([0, 5, 9])
+    save_file(values, str(path), metadata=metadata)
+    with pytest.raises(ShardFormatError, match="offsets must run from 0 to 10 tokens"):
+        shard_contents(storage, shard_key("s1"))

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.reader import ShardIndex
-from dflash_queue.shards.training import HF_HIDDEN_STATES_INDEX, LAYER_CONVENTION
+from dflash_queue.shards.training_format import HF_HIDDEN_STATES_INDEX, LAYER_CONVENTION
 
 DECODER_LAYER_OUTPUT = LAYER_CONVENTION
 HF_INDEX = "hf_hidden_states_index"

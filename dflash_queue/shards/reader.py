@@ -5,6 +5,10 @@ byte ranges per read.
 file is a training shard whose tensors agree with each other and with the metadata, and keeps what a reader
 needs: where each tensor lies, where each sample starts, and the per-sample metadata. `read_sample` then reads
 exactly the rows of one sample from each tensor.
+
+This is the one place that parses and checks the format (training_format.py): the training `ShardDataset`,
+`inspect`, `verify`, the extract lane's skip of a stored shard and `TrainingShard` (training.py, a view for
+tests, the audit and tools) all read through it, so a shard refused here is refused everywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8
 from dflash_queue.shards.layout import SafetensorsLayout, TensorSpec
 from dflash_queue.shards.ranges import ByteSource, read_layout
-from dflash_queue.shards.training import DECODER_OUTPUT, FORMAT, LAYER_STATES
+from dflash_queue.shards.training_format import DECODER_OUTPUT, FORMAT, LAYER_STATES
+from dflash_queue.shards.verdicts import quality_entry
 
 # The stored tensor dtype each `dtype` metadata value implies.
 STORED_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", FP8_NAME: "F8_E4M3"}
@@ -55,8 +60,13 @@ class ShardIndex:
     layer_ids: tuple[int, ...]
     hidden_size: int
     dtype: str
-    # Per layer id: "decoder_output" (before any norm) or "final_norm" (after the model's final norm).
+    # Per layer id: "decoder_output" (before any norm), "last_layer" or "final_norm" (after the model's final norm).
     layer_states: tuple[str, ...] = ()
+    # The quality gate's verdict per sample as stored (flags, answer tokens, thinking state); a shard written
+    # before the gate existed gets an empty verdict per sample.
+    verdicts: tuple[dict[str, Any], ...] = ()
+    # Samples the quality gate dropped (id and failed checks): accounted for here, not in the tensors.
+    dropped: tuple[dict[str, Any], ...] = ()
 
     @property
     def metadata(self) -> dict[str, str]:
@@ -122,6 +132,7 @@ class ShardIndex:
         sample_ids = _json_list(meta, "sample_ids", where, str, count=count)
         finish_reasons = _json_list(meta, "finish_reasons", where, str, count=count)
         thinking = _json_list(meta, "thinking", where, bool, count=count)
+        verdicts = _verdicts(meta, where, count)
         return cls(
             where=where,
             layout=layout,
@@ -129,11 +140,13 @@ class ShardIndex:
             sample_ids=tuple(sample_ids),
             finish_reasons=tuple(finish_reasons),
             thinking=tuple(thinking),
-            quality_flags=_quality_flags(meta, where, count),
+            quality_flags=tuple(tuple(v.get("flags", ())) for v in verdicts),
             layer_ids=tuple(layer_ids),
             hidden_size=hidden_size,
             dtype=dtype,
             layer_states=layer_states,
+            verdicts=verdicts,
+            dropped=_dropped(meta, where),
         )
 
 
@@ -144,17 +157,18 @@ def read_sample(
     hidden_dtype: torch.dtype = torch.bfloat16,
     *,
     dequantize: bool = True,
+    token_dtype: torch.dtype | None = torch.int64,
 ) -> dict[str, torch.Tensor]:
-    """`input_ids` and `loss_mask` (int64 [T]) and `hidden_states` ([T, K, H] in `hidden_dtype`) of one sample,
-    reading only its rows. An fp8 shard's states are dequantised, unless `dequantize` is False: then they come
-    as stored (float8_e4m3fn) with `hidden_scales` (float32 [T, K]), to be dequantised on the GPU."""
+    """`input_ids` and `loss_mask` (int64 [T], or as stored when `token_dtype` is None) and `hidden_states`
+    ([T, K, H] in `hidden_dtype`) of one sample, reading only its rows. An fp8 shard's states are dequantised,
+    unless `dequantize` is False: then they come as stored (float8_e4m3fn) with `hidden_scales` (float32
+    [T, K]), to be dequantised on the GPU."""
     start, end = index.rows(sample)
     tensors = index.layout.tensors
     hidden = read_rows(tensors["hidden_states"], source, start, end)
-    out = {
-        "input_ids": read_rows(tensors["input_ids"], source, start, end).to(torch.int64),
-        "loss_mask": read_rows(tensors["loss_mask"], source, start, end).to(torch.int64),
-    }
+    out = {name: read_rows(tensors[name], source, start, end) for name in ("input_ids", "loss_mask")}
+    if token_dtype is not None:
+        out = {name: values.to(token_dtype) for name, values in out.items()}
     if index.dtype == FP8_NAME:
         scales = read_rows(tensors[SCALES_TENSOR], source, start, end)
         if dequantize:
@@ -235,22 +249,33 @@ def _json_list(meta: dict[str, str], key: str, where: str, kind: type, *, count:
     return value
 
 
-def _quality_flags(meta: dict[str, str], where: str, count: int) -> tuple[tuple[str, ...], ...]:
-    if QUALITY_VERDICTS_KEY in meta:
-        verdicts = _json(meta, QUALITY_VERDICTS_KEY, where)
-        if not isinstance(verdicts, list) or not all(
-            isinstance(v, dict) and isinstance(v.get("flags", []), list) and all(isinstance(f, str) for f in v.get("flags", []))
-            for v in verdicts
-        ):
-            raise ShardFormatError(
-                f"{where}: metadata {QUALITY_VERDICTS_KEY!r} must be a JSON list of objects with a 'flags' list"
-            )
-        value = [v.get("flags", []) for v in verdicts]
-    else:
-        return tuple(() for _ in range(count))
-    if len(value) != count:
-        raise ShardFormatError(f"{where}: per-sample quality flags have {len(value)} entries for {count} samples")
-    return tuple(tuple(flags) for flags in value)
+def _verdicts(meta: dict[str, str], where: str, count: int) -> tuple[dict[str, Any], ...]:
+    if QUALITY_VERDICTS_KEY not in meta:
+        return tuple(quality_entry(None) for _ in range(count))
+    verdicts = _json(meta, QUALITY_VERDICTS_KEY, where)
+    if not isinstance(verdicts, list) or not all(isinstance(v, dict) and _strings(v.get("flags", [])) for v in verdicts):
+        raise ShardFormatError(
+            f"{where}: metadata {QUALITY_VERDICTS_KEY!r} must be a JSON list of objects with a 'flags' list"
+        )
+    if len(verdicts) != count:
+        raise ShardFormatError(f"{where}: per-sample quality flags have {len(verdicts)} entries for {count} samples")
+    return tuple(verdicts)
+
+
+def _dropped(meta: dict[str, str], where: str) -> tuple[dict[str, Any], ...]:
+    """Shards written before the quality gate existed dropped nothing."""
+    if "dropped" not in meta:
+        return ()
+    dropped = _json(meta, "dropped", where)
+    if not isinstance(dropped, list) or not all(
+        isinstance(d, dict) and isinstance(d.get("id"), str) and _strings(d.get("flags", [])) for d in dropped
+    ):
+        raise ShardFormatError(f"{where}: metadata 'dropped' must be a JSON list of objects with an 'id' and 'flags'")
+    return tuple(dropped)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def _layer_states(meta: dict[str, str], where: str, count: int) -> tuple[str, ...]:

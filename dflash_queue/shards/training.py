@@ -1,53 +1,42 @@
-"""Training shards: one safetensors file of many samples, concatenated along the token axis (written by
-`training_writer`, sample by sample).
+"""Training shards as their writer is given them, and one local shard read sample by sample (tests, audit, tools).
 
-Tensors:
-  input_ids      int32  [T]         prompt ids followed by completion ids, per sample
-  loss_mask      uint8  [T]         1 exactly on generated tokens (every regenerated turn)
-  hidden_states  dtype  [T, K, H]   output of decoder layer `layer_ids[k]` at each token
-  offsets        int64  [N + 1]     sample i spans tokens offsets[i]:offsets[i + 1]
-  hidden_scales  fp32   [T, K]      only when dtype is fp8_e4m3: states = fp8 * scale (see fp8.py)
-
-Metadata (all strings, JSON where structured) says what the tensors mean: target model, layer ids and their
-convention, what each captured entry is (`layer_states`: "decoder_output", the residual stream after decoder
-layer i before any norm; "last_layer", the same for the last decoder layer, stored as the verifier's last state;
-or "final_norm", the last layer after the model's final norm, which is Transformers' last `hidden_states`
-entry), how the states were computed (`extraction`: "packed" or "padded") and the canary's
-check of them (`canary`: samples recomputed alone and their relative error per layer), dtype, sample ids (a
-sample stored as one sequence per regenerated turn has one row per turn, and `sample_turns` says which),
-finish reasons, versions, and the quality gate's word per sample (`quality`:
-flags, answer tokens, thinking state, so that training can filter flagged samples) and on the samples it
-dropped (`dropped`: id and failed checks; they are not in the tensors). A shard whose samples were all dropped
-holds no tokens.
+The format itself (tensors, metadata, names) is in training_format.py; `reader.ShardIndex` is its one parser and
+checker. Here: what the extract lane hands the writer (`ExtractedSample`, `ShardInfo`, the checks made before
+anything is written), and `TrainingShard`, a sample-by-sample view of one shard file through `ShardIndex`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, dequantize_fp8
+from dflash_queue.errors import NonFiniteRowRefused, ShardFormatError
+from dflash_queue.shards.fp8 import FP8_NAME
+from dflash_queue.shards.ranges import LocalFileSource
+from dflash_queue.shards.reader import PER_SAMPLE_KEYS, ShardIndex, read_rows, read_sample
+from dflash_queue.shards.training_format import (
+    DECODER_OUTPUT,
+    FINAL_NORM,
+    FORMAT,
+    FORMAT_VERSION,
+    HF_HIDDEN_STATES_INDEX,
+    LAST_LAYER,
+    LAYER_CONVENTION,
+    LAYER_STATES,
+)
 from dflash_queue.shards.verdicts import Verdict
 
-FORMAT = "dflash-queue/hidden-states"
-FORMAT_VERSION = "1"
-# "Layer i" is the output of decoder layer i (before the final norm): Transformers' hidden_states[i + 1].
-LAYER_CONVENTION = "decoder_layer_output"
-HF_HIDDEN_STATES_INDEX = "layer_id + 1"
-# What a captured entry is: the residual stream after its decoder layer (a layer the drafter conditions on); the
-# last decoder layer's output before the final norm, stored as the verifier's last state (vLLM's aux layer N: what
-# speculators' trainers normalise themselves); or the last layer after the final norm (Transformers' last
-# hidden_states entry: what SpecForge's EAGLE-3 trainer takes as the target's hidden state).
-DECODER_OUTPUT = "decoder_output"
-LAST_LAYER = "last_layer"
-FINAL_NORM = "final_norm"
-LAYER_STATES = (DECODER_OUTPUT, LAST_LAYER, FINAL_NORM)
+# The format's names, for the modules that import them from here.
+__all__ = [
+    "DECODER_OUTPUT", "FINAL_NORM", "FORMAT", "FORMAT_VERSION", "HF_HIDDEN_STATES_INDEX", "LAST_LAYER",
+    "LAYER_CONVENTION", "LAYER_STATES", "ExtractedSample", "ShardInfo", "TrainingSample", "TrainingShard",
+    "check_states", "validate_sample",
+]
+
 
 @dataclass(frozen=True)
 class ExtractedSample:
@@ -74,6 +63,8 @@ class ShardInfo:
     # One per layer id; empty means every entry is a decoder layer's output.
     layer_states: tuple[str, ...] = ()
     extraction: str = "packed"
+    # The faults the test suite had installed while the shard was made (dflash_queue/faults.py); empty in production.
+    injected_faults: dict[str, Any] = field(default_factory=dict)
 
     def states(self) -> tuple[str, ...]:
         return self.layer_states or (DECODER_OUTPUT,) * len(self.layer_ids)
@@ -93,6 +84,7 @@ class ShardInfo:
             "config_fingerprint": self.config_fingerprint,
             "versions": json.dumps(self.versions, sort_keys=True),
             "extraction": self.extraction,
+            **({"injected_faults": json.dumps(self.injected_faults, sort_keys=True)} if self.injected_faults else {}),
         }
 
 
@@ -105,25 +97,15 @@ def validate_sample(sample: ExtractedSample, info: ShardInfo) -> None:
 
 
 def check_states(sample_id: str, tokens: int, hidden_states: torch.Tensor, info: ShardInfo) -> None:
-    """One sequence's states have the shard's shape [tokens, K, H] and are finite."""
+    """One sequence's states have the shard's shape [tokens, K, H] and are finite (NonFiniteRowRefused: the
+    engine's own check, which makes the samples at fault dead letters, was skipped)."""
     expected = (tokens, len(info.layer_ids), info.hidden_size)
     if tuple(hidden_states.shape) != expected:
         raise ShardFormatError(
             f"sample {sample_id}: hidden_states shape {tuple(hidden_states.shape)}, expected {expected}"
         )
     if not torch.isfinite(hidden_states).all():
-        raise NonFiniteHiddenStates(sample_id)
-
-
-class NonFiniteHiddenStates(ShardFormatError):
-    def __init__(self, sample_id: str) -> None:
-        super().__init__(f"sample {sample_id}: hidden states contain NaN or Inf")
-        self.sample_id = sample_id
-
-
-def quality_entry(verdict: Verdict | None) -> dict[str, Any]:
-    verdict = verdict or Verdict()
-    return {"flags": list(verdict.flags), "answer_tokens": verdict.answer_tokens, "thinking": verdict.thinking}
+        raise NonFiniteRowRefused(sample_id)
 
 
 @dataclass(frozen=True)
@@ -139,62 +121,52 @@ class TrainingSample:
 
 
 class TrainingShard:
-    """Random access to the samples of one shard without reading the whole file."""
+    """One local shard file, sample by sample: a view over `ShardIndex`, so that it accepts exactly the shards the
+    strict reader accepts. Tensors come as stored (int32 ids, uint8 mask, states in the stored dtype; fp8 states
+    dequantised to bfloat16); per-sample lists are plain lists."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        try:
-            with safe_open(str(self.path), framework="pt") as handle:
-                self.metadata: dict[str, str] = handle.metadata() or {}
-                self.offsets = handle.get_tensor("offsets")
-        except Exception as exc:  # safetensors raises its own error types for corrupt files
-            raise ShardFormatError(f"{self.path}: not a readable safetensors shard: {exc}") from None
-        if self.metadata.get("format") != FORMAT:
-            raise ShardFormatError(f"{self.path}: metadata format is {self.metadata.get('format')!r}, not {FORMAT}")
-        self.sample_ids: list[str] = json.loads(self.metadata["sample_ids"])
-        self.finish_reasons: list[str] = json.loads(self.metadata["finish_reasons"])
-        self.thinking: list[bool] = json.loads(self.metadata["thinking"])
-        self.layer_ids: list[int] = json.loads(self.metadata["layer_ids"])
-        # Shards written before the quality gate existed have no verdicts: every sample passed nothing.
-        self.quality: list[dict[str, Any]] = json.loads(self.metadata.get("quality", "null")) or [
-            quality_entry(None) for _ in self.sample_ids
-        ]
-        self.dropped: list[dict[str, Any]] = json.loads(self.metadata.get("dropped", "[]"))
-        if len(self.sample_ids) + 1 != self.offsets.shape[0]:
-            raise ShardFormatError(f"{self.path}: {len(self.sample_ids)} sample ids but {self.offsets.shape[0]} offsets")
+        self._source = LocalFileSource(self.path)
+        self.index = ShardIndex.load(self._source)
+        self.metadata: dict[str, str] = self.index.metadata
+        self.offsets = self.index.offsets
+        self.sample_ids = list(self.index.sample_ids)
+        self.finish_reasons = list(self.index.finish_reasons)
+        self.thinking = list(self.index.thinking)
+        self.layer_ids = list(self.index.layer_ids)
+        self.quality: list[dict[str, Any]] = list(self.index.verdicts)
+        self.dropped: list[dict[str, Any]] = list(self.index.dropped)
 
     def __len__(self) -> int:
-        return len(self.sample_ids)
+        return len(self.index)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+        return self.index.num_tokens
 
     def __getitem__(self, index: int) -> TrainingSample:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
-        with safe_open(str(self.path), framework="pt") as handle:
-            hidden = handle.get_slice("hidden_states")[start:end]
-            if self.metadata.get("dtype") == FP8_NAME:
-                hidden = dequantize_fp8(hidden, handle.get_slice(SCALES_TENSOR)[start:end], torch.bfloat16)
-            return TrainingSample(
-                id=self.sample_ids[index],
-                input_ids=handle.get_slice("input_ids")[start:end],
-                loss_mask=handle.get_slice("loss_mask")[start:end],
-                hidden_states=hidden,
-                finish_reason=self.finish_reasons[index],
-                thinking=self.thinking[index],
-                flags=tuple(self.quality[index]["flags"]),
-            )
+        stored = self.index.layout.tensors["hidden_states"].torch_dtype
+        hidden_dtype = torch.bfloat16 if self.index.dtype == FP8_NAME else stored
+        tensors = read_sample(self.index, self._source, index, hidden_dtype, token_dtype=None)
+        return TrainingSample(
+            id=self.sample_ids[index],
+            input_ids=tensors["input_ids"],
+            loss_mask=tensors["loss_mask"],
+            hidden_states=tensors["hidden_states"],
+            finish_reason=self.finish_reasons[index],
+            thinking=self.thinking[index],
+            flags=self.index.quality_flags[index],
+        )
 
     def loss_mask_sums(self) -> list[int]:
         """Generated tokens per sample, read from the mask alone (no hidden states loaded)."""
-        with safe_open(str(self.path), framework="pt") as handle:
-            mask = handle.get_tensor("loss_mask").to(torch.int64)
+        mask = read_rows(self.index.layout.tensors["loss_mask"], self._source, 0, self.num_tokens).to(torch.int64)
         running = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(mask, 0)])
         return (running[self.offsets[1:]] - running[self.offsets[:-1]]).tolist()
 
     def info(self) -> dict[str, Any]:
-        per_sample = {"sample_ids", "finish_reasons", "thinking", "quality", "dropped", "sample_turns"}
-        return {key: value for key, value in self.metadata.items() if key not in per_sample}
+        """The shard-level metadata (per-sample lists left out)."""
+        return {key: value for key, value in self.metadata.items() if key not in PER_SAMPLE_KEYS}

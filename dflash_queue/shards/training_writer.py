@@ -23,8 +23,8 @@ import torch
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.fp8 import FP8_DTYPE, FP8_NAME, SCALES_TENSOR, quantize_fp8
-from dflash_queue.shards.training import ExtractedSample, ShardInfo, check_states, quality_entry, validate_sample
-from dflash_queue.shards.verdicts import Verdict
+from dflash_queue.shards.training import ExtractedSample, ShardInfo, check_states, validate_sample
+from dflash_queue.shards.verdicts import Verdict, quality_entry
 
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8_NAME: FP8_DTYPE}
 SAFETENSORS_NAMES = {

@@ -49,3 +49,10 @@ class Verdict:
             answer_tokens=int(data.get("answer_tokens", 0)),
             thinking=str(data.get("thinking", "none")),
         )
+
+
+def quality_entry(verdict: Verdict | None) -> dict[str, Any]:
+    """The verdict as a training shard stores it per sample (`quality` metadata); a sample without one passed
+    nothing."""
+    verdict = verdict or Verdict()
+    return {"flags": list(verdict.flags), "answer_tokens": verdict.answer_tokens, "thinking": verdict.thinking}

@@ -7,15 +7,10 @@ import torch
 from safetensors import safe_open
 
 from dflash_queue.data.samples import Message, Sample, sample_id
-from dflash_queue.errors import ShardFormatError
+from dflash_queue.errors import NonFiniteRowRefused, ShardFormatError
 from dflash_queue.shards.completions import CompletionRecord, decode_completions, encode_completions
 from dflash_queue.shards.prompts import decode_prompts, encode_prompts, prompt_shard_id
-from dflash_queue.shards.training import (
-    ExtractedSample,
-    NonFiniteHiddenStates,
-    ShardInfo,
-    TrainingShard,
-)
+from dflash_queue.shards.training import ExtractedSample, ShardInfo, TrainingShard
 from dflash_queue.shards.training_writer import write_training_shard
 
 INFO = ShardInfo(
@@ -69,7 +64,7 @@ def test_training_shard_round_trip_with_random_access(tmp_path):
 def test_non_finite_or_misshapen_samples_are_refused_before_writing(tmp_path):
     bad = extracted("nan", 2, 2, 0)
     bad.hidden_states[1, 0, 3] = float("nan")
-    with pytest.raises(NonFiniteHiddenStates, match="sample nan"):
+    with pytest.raises(NonFiniteRowRefused, match="sample nan"):
         write_training_shard(tmp_path / "x.safetensors", [extracted("ok", 2, 2, 1), bad], INFO)
     assert not (tmp_path / "x.safetensors").exists()
     short = extracted("short", 2, 2, 0)
@@ -81,7 +76,7 @@ def test_non_finite_or_misshapen_samples_are_refused_before_writing(tmp_path):
 def test_corrupt_shard_is_a_format_error(tmp_path):
     path = tmp_path / "junk.safetensors"
     path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}")
-    with pytest.raises(ShardFormatError, match="not a readable safetensors shard"):
+    with pytest.raises(ShardFormatError, match="junk.safetensors: header of 16 bytes but the object holds only 22"):
         TrainingShard(path)
 
 

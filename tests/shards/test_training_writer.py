@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash_queue.errors import ShardFormatError
+from dflash_queue.errors import NonFiniteRowRefused, ShardFormatError
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, quantize_fp8
 from dflash_queue.shards.layout import header_length, parse_header
-from dflash_queue.shards.training import ShardInfo, TrainingShard, quality_entry
+from dflash_queue.shards.training import ShardInfo, TrainingShard
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
-from dflash_queue.shards.verdicts import Verdict
+from dflash_queue.shards.verdicts import Verdict, quality_entry
 from dflash_queue.training.dataset import ShardDataset
 
 K, H = 3, 16
@@ -183,7 +183,7 @@ def test_refusals(tmp_path):
     with TrainingShardWriter(tmp_path / "a.safetensors", rows, info("bfloat16")) as writer:
         bad = states[1].clone()
         bad[0, 1, 2] = float("inf")
-        with pytest.raises(ShardFormatError, match="sample s0: hidden states contain NaN or Inf"):
+        with pytest.raises(NonFiniteRowRefused, match="sample s0: hidden states contain NaN or Inf"):
             writer.write(1, bad)
         with pytest.raises(ShardFormatError, match=r"hidden_states shape .* expected"):
             writer.write(0, states[0][:, :2])
