@@ -2,9 +2,11 @@
 
 Each family is one of Transformers' own config classes at toy size, saved with the tiny tokenizer (the same
 vocabulary and chat template as `tiny_model`), the way Transformers' own tests build models: hybrid linear
-attention (Qwen3.5 text-only and multimodal, Qwen3-Next), sliding windows (Mistral, Gemma 2/3), attention sinks
-(gpt-oss), logit soft-capping (Gemma 2), mixtures of experts (Qwen3-MoE, Qwen3-Next, gpt-oss), dense (Qwen3,
-Llama), and a short-convolution hybrid (LFM2) that only runs unpacked.
+attention (Qwen3.5 text-only and multimodal, its multimodal MoE variant, Qwen3-Next), sliding windows (Mistral,
+Gemma 2/3), attention sinks (gpt-oss), logit soft-capping (Gemma 2), mixtures of experts (Qwen3-MoE, Qwen3-Next,
+gpt-oss, DeepSeek-V3, Qwen3.5-MoE), multi-head latent attention (DeepSeek-V3), interleaved multimodal rope
+(Qwen3-VL), dense (Qwen3, Llama), and a short-convolution hybrid (LFM2) and a Mamba-2 hybrid (Bamba) that only
+run unpacked.
 
 Weights are drawn at a standard deviation of `INIT_STD` instead of the usual 0.02: at init scale the states are
 nearly zero and a wrong answer (a window ignored, a recurrent state leaking into the next sequence) hides below
@@ -45,6 +47,8 @@ class Family:
     # The model's own attention that applies all its features (SDPA drops soft-capping).
     reference_attention: str = "sdpa"
     multimodal: bool = False
+    # Whether its decoder's final norm is a module named `norm` (extract.final_norm_state needs one).
+    final_norm: bool = True
 
 
 def _common(vocab: int, **extra) -> dict:
@@ -177,6 +181,69 @@ def _lfm2(vocab):
     return Lfm2ForCausalLM(Lfm2Config(**config, conv_L_cache=3, block_auto_adjust_ff_dim=False))
 
 
+def _deepseek_v3(vocab):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # Multi-head latent attention: keys and values from a compressed latent, query/key heads of a no-position
+    # part and a rotary part (32 + 16) wider than the value heads (32), as DeepSeek-V3's 128 + 64 and 128; every
+    # head reads its own keys (num_key_value_heads = heads). Yarn rope (its mscale changes the softmax scale),
+    # a dense first layer, then group-limited sigmoid routing over 8 experts in 4 groups and a shared expert.
+    config = _common(vocab, num_key_value_heads=HEADS)
+    del config["head_dim"]
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            **config, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=HEAD_DIM, qk_rope_head_dim=HEAD_DIM // 2,
+            v_head_dim=HEAD_DIM, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+            n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, rope_parameters=rope,
+        )
+    )
+
+
+def _bamba(vocab):
+    from transformers import BambaConfig, BambaForCausalLM
+
+    # Mamba-2 layers (a causal conv1d and a state space scan in chunks of 16 tokens, so the test sequences cross
+    # chunks) with attention on layers 2 and 5; attention heads of 32 (hidden / heads: Bamba has no head_dim).
+    config = _common(vocab, num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=1)
+    del config["head_dim"]
+    return BambaForCausalLM(
+        BambaConfig(
+            **config, attn_layer_indices=[2, 5], mamba_n_heads=4, mamba_d_head=HEAD_DIM, mamba_n_groups=1,
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=16,
+        )
+    )
+
+
+def _qwen3_5_moe(vocab):
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": HIDDEN,
+              "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2}
+    text = _common(vocab, layer_types=_HYBRID, **_LINEAR, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    del text["intermediate_size"]  # every layer's MLP is the mixture of experts
+    config = Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    config.initializer_range = INIT_STD
+    return Qwen3_5MoeForConditionalGeneration(config)
+
+
+def _qwen3_vl(vocab):
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": HIDDEN,
+              "patch_size": 8, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16,
+              "deepstack_visual_indexes": [0]}
+    # Interleaved multimodal rope: the 16 rotary frequencies of a 32-wide head shared among time, height and
+    # width (6, 5, 5, as Qwen3-VL's 24, 20, 20 of 64), interleaved.
+    rope = {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [6, 5, 5], "mrope_interleaved": True}
+    text = _common(vocab, rope_parameters=rope)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    config.initializer_range = INIT_STD
+    return Qwen3VLForConditionalGeneration(config)
+
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -191,7 +258,11 @@ FAMILIES: dict[str, Family] = {
         Family("gemma3", _gemma3, multimodal=True),
         Family("gemma2", _gemma2, reference_attention="eager"),
         Family("gpt_oss", _gpt_oss, reference_attention="eager"),
-        Family("lfm2", _lfm2, mode="padded"),
+        Family("lfm2", _lfm2, mode="padded", final_norm=False),
+        Family("deepseek_v3", _deepseek_v3),
+        Family("bamba", _bamba, mode="padded", final_norm=False),
+        Family("qwen3_5_moe", _qwen3_5_moe, multimodal=True),
+        Family("qwen3_vl", _qwen3_vl, multimodal=True),
     )
 }
 

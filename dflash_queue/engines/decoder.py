@@ -7,13 +7,17 @@ mapped away (`key_mapping`), so no vision tower is built or read.
 
 Every load asks Transformers which weights it did not find: a decoder with a weight left at its random
 initialisation computes states that look plausible and are worthless, so a missing weight refuses the load.
+
+For generation (`load_causal_lm`), a text-only checkpoint loads as its causal LM class; a multimodal one as its
+text decoder under its LM head (`text_causal_lm`), since Transformers has no text-only causal LM class for some
+text decoders (Qwen3-VL's).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from dflash_queue.errors import UnsupportedArchitecture
 
 _INDEX = "model.safetensors.index.json"
 _EMBEDDINGS = "embed_tokens.weight"
-_HEAD = "lm_head.weight"
+HEAD = "lm_head.weight"
 # Where multimodal checkpoints keep their text decoder, most specific first (checked against the actual keys).
 _TEXT_PREFIX_HINTS = ("language_model", "text_model", "llm")
 
@@ -61,7 +65,7 @@ def read_layout(path: str) -> CheckpointLayout:
     if text_config is config:
         return CheckpointLayout(config, text_config, None)
     keys = checkpoint_keys(Path(path)) if Path(path).is_dir() else []
-    heads = [key[: -len(_HEAD)] for key in keys if key.endswith(_HEAD)]
+    heads = [key[: -len(HEAD)] for key in keys if key.endswith(HEAD)]
     return CheckpointLayout(config, text_config, _text_decoder_prefix(keys), heads[0] if len(heads) == 1 else "")
 
 
@@ -80,7 +84,7 @@ def load_text_decoder(
     from transformers import AutoModel
 
     layout = layout or read_layout(path)
-    kwargs = _load_kwargs(layout, dtype, device, attn_implementation, prefix_target="")
+    kwargs = _load_kwargs(layout, dtype, device, attn_implementation)
     if device_map is not None:
         kwargs["device_map"] = dict(device_map)
     model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -107,17 +111,22 @@ def spread_device_map(path: str, layout: CheckpointLayout, gpu_count: int) -> di
 
 
 def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The text decoder with its LM head, for generation; a multimodal checkpoint gives its text-only causal LM
-    (Qwen3.5 -> `Qwen3_5ForCausalLM`, Gemma 3 -> `Gemma3ForCausalLM`). Attention is eager where SDPA would drop
-    a feature of the model (soft-capping, sinks), SDPA otherwise."""
-    from transformers import AutoModelForCausalLM
-
+    """The text decoder with its LM head, for generation: a text-only checkpoint's causal LM class; for a
+    multimodal checkpoint, its text decoder (as `load_text_decoder` loads it) under its LM head
+    (`text_causal_lm.load_text_causal_lm`). Attention is eager where SDPA would drop a feature of the model
+    (soft-capping, sinks), SDPA otherwise."""
     from dflash_queue.engines.architecture import profile_config
 
     layout = read_layout(path)
     # SDPA drops attention soft-capping (Gemma 2): generate with the attention that applies every feature.
     attention = profile_config(layout.config).reference_attention
-    kwargs = _load_kwargs(layout, dtype, device, attention, prefix_target="model.")
+    if layout.multimodal:
+        from dflash_queue.engines.text_causal_lm import load_text_causal_lm
+
+        return load_text_causal_lm(path, layout, dtype=dtype, device=device, attn_implementation=attention)
+    from transformers import AutoModelForCausalLM
+
+    kwargs = _load_kwargs(layout, dtype, device, attention)
     loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
     model, info = loaded
     _require_complete(model, info, path, layout)
@@ -134,9 +143,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _load_kwargs(
-    layout: CheckpointLayout, dtype: torch.dtype, device: torch.device, attn: str | None, *, prefix_target: str
-) -> dict:
+def _load_kwargs(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device, attn: str | None) -> dict:
     kwargs: dict = {"dtype": dtype}
     if attn is not None:
         kwargs["attn_implementation"] = attn
@@ -149,9 +156,7 @@ def _load_kwargs(
                 f"'*{_EMBEDDINGS}' under a language-model prefix)"
             )
         kwargs["config"] = layout.text_config
-        kwargs["key_mapping"] = {f"^{re.escape(layout.text_prefix)}": prefix_target}
-        if layout.head_prefix:
-            kwargs["key_mapping"][f"^{re.escape(layout.head_prefix)}lm_head\\."] = "lm_head."
+        kwargs["key_mapping"] = {f"^{re.escape(layout.text_prefix)}": ""}
     return kwargs
 
 
@@ -198,6 +203,32 @@ def checkpoint_keys(directory: Path) -> list[str]:
         with safe_open(str(file), framework="pt") as handle:
             keys.extend(handle.keys())
     return keys
+
+
+def checkpoint_tensors(directory: Path, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors of `keys` that the checkpoint in `directory` holds, as stored, on the CPU (keys it does not hold
+    are left out)."""
+    from safetensors import safe_open
+
+    wanted = set(keys)
+    index = directory / _INDEX
+    files: dict[str, list[str]] = {}
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        for key in sorted(wanted & set(weight_map)):
+            files.setdefault(weight_map[key], []).append(key)
+    else:
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                held = sorted(wanted & set(handle.keys()))
+            if held:
+                files[file.name] = held
+    found: dict[str, torch.Tensor] = {}
+    for name, held_keys in files.items():
+        with safe_open(str(directory / name), framework="pt") as handle:
+            for key in held_keys:
+                found[key] = handle.get_tensor(key)
+    return found
 
 
 def _text_decoder_prefix(keys: list[str]) -> str | None:

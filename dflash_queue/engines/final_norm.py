@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_queue.engines.decoder import CheckpointLayout, checkpoint_keys, read_layout
+from dflash_queue.engines.decoder import (
+    CheckpointLayout,
+    checkpoint_keys,
+    checkpoint_tensors,
+    decoder_prefix,
+    read_layout,
+)
 from dflash_queue.errors import UnsupportedArchitecture
 
 _NORM = "norm"
@@ -51,46 +57,14 @@ def _norm_module(layout: CheckpointLayout) -> nn.Module:
 
 def _load_weights(norm: nn.Module, directory: Path, layout: CheckpointLayout) -> None:
     """The norm's parameters from the checkpoint: `<decoder prefix>norm.<name>` for each of them."""
-    from safetensors import safe_open
-
-    from dflash_queue.engines.decoder import decoder_prefix
-
     keys = checkpoint_keys(directory)
     prefix = decoder_prefix(keys, layout)
     wanted = {f"{prefix}{_NORM}.{name}": name for name, _ in norm.named_parameters()}
-    files = _files_of(directory, set(wanted))
-    found: dict[str, torch.Tensor] = {}
-    for file, names in files.items():
-        with safe_open(str(directory / file), framework="pt") as handle:
-            for key in names:
-                found[wanted[key]] = handle.get_tensor(key)
-    missing = sorted(set(wanted) - {key for key, name in wanted.items() if name in found})
+    found = {wanted[key]: tensor for key, tensor in checkpoint_tensors(directory, wanted).items()}
+    missing = sorted(key for key, name in wanted.items() if name not in found)
     if missing:
         raise UnsupportedArchitecture(
             f"{directory}: the final norm's weights {missing} are not in the checkpoint; the final-norm state "
             "cannot be computed"
         )
     norm.load_state_dict(found, strict=True)
-
-
-def _files_of(directory: Path, keys: set[str]) -> dict[str, list[str]]:
-    """safetensors file name -> the wanted keys it holds."""
-    import json
-
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        out: dict[str, list[str]] = {}
-        for key in keys:
-            if key in weight_map:
-                out.setdefault(weight_map[key], []).append(key)
-        return out
-    from safetensors import safe_open
-
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            held = keys & set(handle.keys())
-        if held:
-            out[file.name] = sorted(held)
-    return out

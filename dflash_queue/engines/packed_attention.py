@@ -49,13 +49,14 @@ def packed_attention(
     s_aux: torch.Tensor | None = None,
     **_kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [B, heads, T, d], key/value [B, kv_heads, T, d]; returns [B, T, heads, d]. `packed_bounds` are the
-    sequences' offsets in the row (cu_seqlens); None means one sequence."""
+    """query and key [B, heads or kv_heads, T, d], value [B, kv_heads, T, dv]; returns [B, T, heads, dv] (dv
+    differs from d in multi-head latent attention). `packed_bounds` are the sequences' offsets in the row
+    (cu_seqlens); None means one sequence."""
     if attention_mask is not None:
         raise ValueError("packed attention takes sequence bounds, not an attention mask")
     bounds = packed_bounds if packed_bounds is not None else (0, query.shape[2])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3])
     for start, end in zip(bounds[:-1], bounds[1:]):
         q, k, v = query[:, :, start:end], key[:, :, start:end], value[:, :, start:end]
         if softcap is None and s_aux is None and (not sliding_window or end - start <= sliding_window):
@@ -82,7 +83,7 @@ def _blocked_attention(
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = torch.empty_like(query)
+    out = query.new_empty(*query.shape[:3], value.shape[3])
     positions = torch.arange(length, device=query.device)
     for first in range(0, length, QUERY_BLOCK):
         last = min(first + QUERY_BLOCK, length)

@@ -2,10 +2,11 @@
 mixture of experts) and the attention cache one token takes, without loading a weight.
 
 The shapes are those of Transformers' own decoder classes: attention (q, k, v, o; the gated query of Qwen3.5 and
-Qwen3-Next; q/k norms; biases; gpt-oss's sinks), Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next), a dense MLP
-or experts (with a router, shared experts and gpt-oss's biases), the layer norms, embeddings, final norm and the
-LM head unless tied. `tests/ops/test_model_size.py` compares them with the parameters of every test family's model.
-Token mixers the count does not know (short convolutions, Mamba) are left out of it.
+Qwen3-Next; q/k norms; biases; gpt-oss's sinks), multi-head latent attention (DeepSeek-V3), Gated DeltaNet linear
+attention (Qwen3.5, Qwen3-Next), Mamba-2 layers (Bamba), a dense MLP or experts (with a router, shared experts and
+gpt-oss's biases), the layer norms, embeddings, final norm and the LM head unless tied.
+`tests/ops/test_model_size.py` compares them with the parameters of every test family's model. Token mixers the
+count does not know (short convolutions) are left out of it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 from dflash_queue.engines.architecture import ATTENTION_LAYERS, LINEAR_ATTENTION, profile_config
 
 # Text models whose attention layers normalise queries and keys per head (q_norm, k_norm).
-QK_NORM = frozenset({"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text"})
+QK_NORM = frozenset(
+    {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "gemma3_text", "qwen3_vl_text"}
+)
 # Text models whose query projection also produces an output gate (twice the query width).
 GATED_QUERY = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 # Text models with a norm before and after both the attention and the MLP (four per layer, not two).
@@ -82,6 +85,8 @@ def attention_dims(text: Any) -> tuple[int, int, int]:
 
 
 def attention_parameters(text: Any) -> int:
+    if is_latent_attention(text):
+        return latent_attention_parameters(text)
     hidden = int(text.hidden_size)
     heads, kv_heads, head_dim = attention_dims(text)
     query = heads * head_dim * (2 if text.model_type in GATED_QUERY else 1)
@@ -95,7 +100,58 @@ def attention_parameters(text: Any) -> int:
     return count
 
 
+def is_latent_attention(text: Any) -> bool:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values from a compressed latent."""
+    return bool(getattr(text, "kv_lora_rank", None))
+
+
+def latent_attention_parameters(text: Any) -> int:
+    """Queries through a low-rank latent (q_a, its norm, q_b; or one q projection), keys and values from a shared
+    latent plus a rotary key part (kv_a), its norm, kv_b to every head's no-position key and value, the output."""
+    hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
+    nope, rope, value = int(text.qk_nope_head_dim), int(text.qk_rope_head_dim), int(text.v_head_dim)
+    kv_rank, q_rank = int(text.kv_lora_rank), int(getattr(text, "q_lora_rank", None) or 0)
+    bias = bool(getattr(text, "attention_bias", False))
+    query = heads * (nope + rope)
+    if q_rank:
+        count = hidden * q_rank + q_rank + q_rank * query + (q_rank if bias else 0)
+    else:
+        count = hidden * query
+    count += hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + value)
+    count += heads * value * hidden
+    if bias:
+        count += kv_rank + rope + hidden
+    return count
+
+
+def latent_cache_width(text: Any) -> int:
+    """What multi-head latent attention caches per token and layer: the latent and the rotary key part."""
+    return int(text.kv_lora_rank) + int(text.qk_rope_head_dim)
+
+
 def linear_attention_parameters(text: Any) -> int:
+    if getattr(text, "mamba_n_heads", None):
+        return mamba2_parameters(text)
+    return gated_deltanet_parameters(text)
+
+
+def mamba2_parameters(text: Any) -> int:
+    """A Mamba-2 layer: the input projection (gate, x, B, C, time steps), the causal conv1d over x, B and C, per-head
+    time-step bias, decay (A_log) and skip (D), the gated norm and the output projection."""
+    hidden, heads = int(text.hidden_size), int(text.mamba_n_heads)
+    inner = heads * int(text.mamba_d_head)
+    groups_state = 2 * int(text.mamba_n_groups) * int(text.mamba_d_state)
+    conv_dim = inner + groups_state
+    count = hidden * (2 * inner + groups_state + heads) + conv_dim * int(text.mamba_d_conv) + 3 * heads + inner
+    count += inner * hidden
+    if getattr(text, "mamba_conv_bias", True):
+        count += conv_dim
+    if getattr(text, "mamba_proj_bias", False):
+        count += 2 * inner + groups_state + heads + hidden
+    return count
+
+
+def gated_deltanet_parameters(text: Any) -> int:
     """A Gated DeltaNet layer: q, k, v, z, beta and alpha projections, the causal conv1d over q, k and v, per-head
     decay (A_log) and time-step bias, the gated output norm and the output projection."""
     hidden = int(text.hidden_size)
@@ -120,7 +176,8 @@ _MIXERS = {
 
 
 def num_experts(text: Any) -> int:
-    return int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+    found = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    return int(found or getattr(text, "n_routed_experts", None) or 0)
 
 
 def is_sparse_layer(text: Any, index: int) -> bool:
@@ -128,6 +185,9 @@ def is_sparse_layer(text: Any, index: int) -> bool:
     decoder_sparse_step)."""
     if not num_experts(text) or index in (getattr(text, "mlp_only_layers", None) or ()):
         return False
+    if getattr(text, "first_k_dense_replace", None) is not None:  # DeepSeek: dense first layers
+        step = int(getattr(text, "moe_layer_freq", None) or 1)
+        return index >= int(text.first_k_dense_replace) and index % step == 0
     step = int(getattr(text, "decoder_sparse_step", None) or 1)
     return (index + 1) % step == 0
 
@@ -149,6 +209,8 @@ def mlp_parameters(text: Any, index: int) -> tuple[int, int]:
         router += experts
     shared_width = int(getattr(text, "shared_expert_intermediate_size", None) or 0)
     shared = 3 * hidden * shared_width + hidden if shared_width else 0  # with its one-output gate
+    if getattr(text, "n_shared_experts", None):  # DeepSeek: shared experts as one wider MLP, no gate
+        shared = 3 * hidden * width * int(text.n_shared_experts)
     return experts * expert + router + shared, routed * expert + router + shared
 
 
@@ -169,9 +231,11 @@ def kv_heads_per_rank(kv_heads: int, tensor_parallel_size: int) -> int:
 
 
 def kv_cache_bytes_per_token(text: Any, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """Keys and values one token takes on one rank, over the attention layers. Sliding-window layers count in
+    """Keys and values one token takes on one rank, over the attention layers. Multi-head latent attention caches its latent instead. Sliding-window layers count in
     full: an extraction's tokens are all being prefilled, when a window has freed nothing yet. Linear-attention
     layers hold a fixed state per sequence instead, left out here."""
-    _, kv_heads, head_dim = attention_dims(text)
     layers = sum(kind in ATTENTION_LAYERS for kind in layer_kinds(text))
+    if is_latent_attention(text):  # one latent per token, the same on every rank
+        return layers * latent_cache_width(text) * dtype_bytes
+    _, kv_heads, head_dim = attention_dims(text)
     return 2 * layers * kv_heads_per_rank(kv_heads, tensor_parallel_size) * head_dim * dtype_bytes

@@ -7,7 +7,12 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Gemma3ForConditionalGeneration, Qwen3_5ForConditionalGeneration
+from transformers import (
+    Gemma3ForConditionalGeneration,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
 
 from dflash_queue.engines.decoder import load_causal_lm, load_text_decoder, read_layout, spread_device_map
 from dflash_queue.errors import UnsupportedArchitecture
@@ -22,6 +27,9 @@ IDS = torch.tensor([[5, 17, 301, 9, 44, 1200, 3, 77]])
     [
         ("qwen3_5", Qwen3_5ForConditionalGeneration, "model.language_model."),
         ("gemma3", Gemma3ForConditionalGeneration, "language_model.model."),
+        # No text-only causal LM class in Transformers: the text decoder under the checkpoint's LM head.
+        ("qwen3_vl", Qwen3VLForConditionalGeneration, "model.language_model."),
+        ("qwen3_5_moe", Qwen3_5MoeForConditionalGeneration, "model.language_model."),
     ],
 )
 def test_multimodal_checkpoints_load_their_text_decoder_only(tiny_family, name, full_class, prefix):
@@ -55,6 +63,29 @@ def test_a_checkpoint_missing_a_weight_is_refused(tiny_family, tmp_path):
         load_text_decoder(str(broken), dtype=torch.float32, device=CPU, attn_implementation="sdpa")
     with pytest.raises(UnsupportedArchitecture, match="random initialisation"):
         load_causal_lm(str(broken), dtype=torch.float32, device=CPU)
+
+
+def test_a_multimodal_checkpoint_without_an_lm_head_is_refused_for_generation(tiny_family, tmp_path):
+    broken = tmp_path / "headless"
+    shutil.copytree(tiny_family("qwen3_vl"), broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitecture, match=r"qwen3_vl needs one LM head weight \('\*lm_head.weight'; "
+                                                       r"found: none\).*generation would run a random head"):
+        load_causal_lm(str(broken), dtype=torch.float32, device=CPU)
+
+
+def test_a_head_transform_the_text_causal_lm_cannot_apply_is_refused(tiny_family, tmp_path):
+    import json
+
+    changed = tmp_path / "softcapped"
+    shutil.copytree(tiny_family("qwen3_vl"), changed)
+    config = json.loads((changed / "config.json").read_text())
+    config["text_config"]["final_logit_softcapping"] = 30.0
+    (changed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitecture, match="sets final_logit_softcapping = 30.0, a transform of the head"):
+        load_causal_lm(str(changed), dtype=torch.float32, device=CPU)
 
 
 def test_a_text_only_checkpoint_loads_as_before(tiny_model):

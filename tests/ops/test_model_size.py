@@ -84,3 +84,13 @@ def test_checkpoint_total_size_from_the_index(tmp_path):
     index = {"metadata": {"total_size": 470_187_269_120}, "weight_map": {"lm_head.weight": "model-1.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert checkpoint_total_size(tmp_path) == 470_187_269_120
+
+
+def test_latent_attention_caches_its_latent_once_per_token_and_layer():
+    """DeepSeek-V3's attention caches the 32-wide latent and the 16-wide rotary key part, not keys and values per
+    head, and the same latent on every tensor-parallel rank."""
+    with torch.device("meta"):
+        model = FAMILIES["deepseek_v3"].build(256)
+    text = model.config.get_text_config()
+    assert kv_cache_bytes_per_token(text, 2) == 6 * (32 + 16) * 2
+    assert kv_cache_bytes_per_token(text, 2, tensor_parallel_size=8) == 6 * (32 + 16) * 2
