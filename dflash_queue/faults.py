@@ -1,12 +1,23 @@
-"""Fault injection for fault tests and drills: faults named in the `DFQ_INJECT_FAULTS` environment variable.
+"""Fault injection for the test suite: the faults a test installs, and the hooks in the lanes that obey them.
 
-A JSON object, read once per process:
+Faults are never read from the environment of a worker: the test harness installs them, in the test process
+(`install`) or in a worker it starts through `dfq_testing.faulty_worker`, which reads them from
+`DFQ_INJECT_FAULTS` and installs them before the worker starts. A production worker, or `dflash-queue run`, finding
+`DFQ_INJECT_FAULTS` set refuses to start (`refuse_uninstalled`), and every training shard made while a fault was
+installed says so in its metadata (`injected_faults`). The faults, a JSON object:
+
   {"extract_poison": ["<sample id>", ...]}   the extract engine "crashes" on any batch holding one of these
   {"generate_poison": ["<sample id>", ...]}  the same for the generate engine
   {"task_delay_s": 2.0}                      every lane task sleeps this long before its work
   {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
   {"extract_break_packing": true}           the extract lane's packed sequences see each other (after the
                                             engine's load probe), so that the run-time canary must catch it
+  {"extract_ignore_window": true}           the extract lane's packed attention ignores sliding windows (after the
+                                            load probe): only a sequence longer than the window shows it
+  {"extract_leak_head": {"relative": 1e-3, "tokens": 8}}
+                                            a state carried across a pack boundary: the first tokens of every
+                                            sequence that follows another in its pass get this share of the
+                                            previous sequence's last state (after the load probe)
   {"extract_vllm_states": {"zero": [id], "constant": [id], "drop_tail": [id], "shift": [id],
                            "swap": [[id, id]], "other_tokens": [id]}}
                                             the vLLM engine's KV connector zeroes, makes constant, leaves the last
@@ -14,7 +25,7 @@ A JSON object, read once per process:
                                             hands them over with other token ids (never in the canary's reruns
                                             alone), so that the checks that must catch such bugs are seen to
 
-Unset (always, in production), every check is a no-op.
+With nothing installed (always, in production), every hook is a no-op.
 """
 
 from __future__ import annotations
@@ -24,26 +35,54 @@ import os
 import signal
 import time
 from collections.abc import Iterable
-from functools import cache
+from dataclasses import dataclass
+from typing import Any
 
-from dflash_queue.errors import SampleDependentError
+from dflash_queue.errors import ConfigError, SampleDependentError
 
 ENV = "DFQ_INJECT_FAULTS"
+
+_installed: dict[str, Any] = {}
+
+
+def install(faults: dict[str, Any]) -> None:
+    """Make `faults` active in this process (the test harness's call; see the module docstring)."""
+    if not isinstance(faults, dict):
+        raise ValueError(f"faults must be a JSON object, got {faults!r}")
+    _installed.clear()
+    _installed.update(faults)
+
+
+def uninstall() -> None:
+    _installed.clear()
+
+
+def installed() -> dict[str, Any]:
+    """The faults active in this process ({} in production)."""
+    return dict(_installed)
+
+
+def install_from_environment() -> None:
+    """The test harness's worker wrapper: install what `DFQ_INJECT_FAULTS` names."""
+    text = os.environ.get(ENV, "")
+    install(json.loads(text) if text else {})
+
+
+def refuse_uninstalled() -> None:
+    """A worker or run started with `DFQ_INJECT_FAULTS` in its environment, outside the test harness: refused."""
+    if os.environ.get(ENV) and not _installed:
+        raise ConfigError(
+            f"{ENV} is set: fault injection exists for the test suite only (its workers install the faults "
+            f"through dfq_testing.faulty_worker); unset {ENV} to run this worker"
+        )
+
+
+def _faults() -> dict[str, Any]:
+    return _installed
 
 
 class InjectedFault(SampleDependentError):
     """A crash the fault-injection hook caused on purpose."""
-
-
-@cache
-def _faults() -> dict:
-    text = os.environ.get(ENV, "")
-    if not text:
-        return {}
-    faults = json.loads(text)
-    if not isinstance(faults, dict):
-        raise ValueError(f"{ENV} must be a JSON object, got {text!r}")
-    return faults
 
 
 def check_poison(lane: str, sample_ids: Iterable[str]) -> None:
@@ -61,8 +100,28 @@ def task_delay() -> None:
         time.sleep(delay)
 
 
-def packing_broken() -> bool:
-    return bool(_faults().get("extract_break_packing", False))
+@dataclass(frozen=True)
+class ExtractFaults:
+    """What the Transformers extract engine does wrong on purpose in its shared passes (never in a sequence run
+    alone, the canary's reference)."""
+
+    break_packing: bool = False  # the sequences of a pack see each other
+    # (share of the previous sequence's last state, tokens) added to the first tokens of every follower
+    head_leak: tuple[float, int] | None = None
+    ignore_window: bool = False  # packed attention ignores the layers' sliding window
+
+    def __bool__(self) -> bool:
+        return self.break_packing or self.head_leak is not None or self.ignore_window
+
+
+def extract_faults() -> ExtractFaults:
+    found = _faults()
+    leak = found.get("extract_leak_head")
+    return ExtractFaults(
+        break_packing=bool(found.get("extract_break_packing", False)),
+        head_leak=(float(leak.get("relative", 1e-3)), int(leak.get("tokens", 8))) if leak else None,
+        ignore_window=bool(found.get("extract_ignore_window", False)),
+    )
 
 
 def vllm_states_faults() -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue import faults
 from dflash_queue.config import Config, load_config
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
@@ -84,6 +85,13 @@ def make_config(tmp_path: Path, tiny_model: Path, redis_url: str) -> Callable[..
 
 
 @pytest.fixture
+def inject_faults() -> Iterator[Callable[[dict], None]]:
+    """Install faults in this test's process (dflash_queue/faults.py); removed when the test ends."""
+    yield faults.install
+    faults.uninstall()
+
+
+@pytest.fixture
 def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
     """Start real `dflash-queue worker` subprocesses; each is stopped (warmly, then killed) at teardown."""
     started: list[WorkerProcess] = []
@@ -98,14 +106,20 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
         prefix: tuple[str, ...] = (),
     ) -> WorkerProcess:
         name = f"{lane}-{len(started)}@{tmp_path.name[:40]}"
+        environment = {**os.environ, **(env or {})}
+        # Injected faults reach a worker only through the harness's wrapper, which installs them.
+        injected = bool(environment.get(faults.ENV))
+        if injected:
+            environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environment.get("PYTHONPATH")]))
         worker = WorkerProcess(
             lane,
             Path(config.source),
-            {**os.environ, **(env or {})},
+            environment,
             tmp_path / "logs" / f"{lane}-{len(started)}.log",
             hostname=name,
             extra_args=extra_args,
             prefix=prefix,
+            module="dfq_testing.faulty_worker" if injected else "dflash_queue",
         )
         started.append(worker)
         if wait:

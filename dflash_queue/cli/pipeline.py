@@ -118,9 +118,14 @@ def worker(
 )
 def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebuild: bool) -> None:
     """Run the whole job on this machine: broker, one worker per lane, enqueue, wait, summary."""
+    from dflash_queue import faults
     from dflash_queue.runner import RunFailed, run_single_box
 
     config = load(config_path, storage_url=output)
+    try:
+        faults.refuse_uninstalled()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     console = Console(stderr=True)
     try:
         summary = run_single_box(config_path, config, list(datasets), console=console, rebuild=rebuild)

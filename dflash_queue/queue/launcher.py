@@ -23,14 +23,16 @@ class WorkerProcess:
         hostname: str | None = None,
         extra_args: tuple[str, ...] = (),
         prefix: tuple[str, ...] = (),
+        module: str = "dflash_queue",
     ) -> None:
-        """`prefix`: a command the worker runs under (e.g. `setpriv ...`)."""
+        """`prefix`: a command the worker runs under (e.g. `setpriv ...`); `module`: what `python -m` runs (the
+        test harness's `dfq_testing.faulty_worker` installs injected faults first)."""
         self.lane = lane
         self.log_path = log_path
         self.hostname = hostname
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        args = [*prefix, sys.executable, "-m", "dflash_queue", "worker", lane, "-c", str(config_path), *extra_args]
+        args = [*prefix, sys.executable, "-m", module, "worker", lane, "-c", str(config_path), *extra_args]
         if hostname:
             args += ["--hostname", hostname]
         self.process = subprocess.Popen(

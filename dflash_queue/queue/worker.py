@@ -33,6 +33,7 @@ import socket
 
 from celery import signals
 
+from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.doctor.broker import durability_warnings
@@ -71,6 +72,7 @@ def run_worker(
 ) -> int:
     """Run a lane worker until it is stopped; returns the process exit code."""
     spec = lane(lane_name)
+    faults.refuse_uninstalled()
     # Logging from the start, in Celery's format (Celery keeps a root logger that is already set up), so that
     # start-up warnings and the engine's loading carry a level and a time.
     logging.basicConfig(level=loglevel.upper(), format=WORKER_LOG_FORMAT)

@@ -5,7 +5,6 @@ and the gate that lets a canary rerun have the engine alone."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -31,8 +30,6 @@ def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
         extract={"engine": "vllm", "layer_ids": [4, 0], "final_norm_state": True},
         **{"extract.vllm": {"tensor_parallel_size": 2, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}},
     )
-    monkeypatch.delenv(faults.ENV, raising=False)
-    faults._faults.cache_clear()
     args = extract_engine_args(config, [5, 1, 6], "/dev/shm/x")
     assert args["enable_prefix_caching"] is False
     assert args["max_model_len"] == 1001  # the longest staged sequence and the one token vLLM samples after it
@@ -45,12 +42,11 @@ def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
     transfer = args["kv_transfer_config"]
     assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (CONNECTOR, CONNECTOR_MODULE)
     assert transfer["kv_connector_extra_config"] == {"transfer_dir": "/dev/shm/x"}  # no faults unless injected
-    monkeypatch.setenv(faults.ENV, json.dumps({"extract_vllm_states": {"zero": ["a"]}}))
-    faults._faults.cache_clear()
+    faults.install({"extract_vllm_states": {"zero": ["a"]}})
     try:
         injected = extract_engine_args(config, [1], "/dev/shm/x")["kv_transfer_config"]["kv_connector_extra_config"]
     finally:
-        faults._faults.cache_clear()
+        faults.uninstall()
     assert injected["faults"] == {"zero": ["a"]}
 
 
