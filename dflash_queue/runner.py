@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
@@ -45,7 +46,9 @@ class RunSummary:
         checked = self.counters.get("extract_canary_samples", 0)
         if not checked or self.canary_worst is None:
             return "no sample rerun alone"
-        return f"{checked} samples rerun alone, worst relative error {self.canary_worst:.2e}"
+        return f"{checked} samples rerun alone, worst relative error {self.canary_worst:.2e}" + canary_notes(
+            self.counters.get("extract_canary_untestable", 0), self.counters.get("extract_canary_window", 0)
+        )
 
     def lines(self) -> list[str]:
         c = self.counters
@@ -75,7 +78,9 @@ class RunSummary:
         for shard_id, error in self.shards_failed.items():
             lines.append(f"failed shard {shard_id}: {error}")
         for shard_id in self.shards_missing:
-            lines.append(f"missing shard {shard_id}: marked done, but {self.output}{shard_id}.safetensors does not exist")
+            lines.append(
+                f"missing shard {shard_id}: marked done, but {self.output}{shard_id}.safetensors does not exist"
+            )
         return lines
 
 

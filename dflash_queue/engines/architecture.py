@@ -30,6 +30,16 @@ LINEAR_ATTENTION = "linear_attention"
 # Text models whose linear-attention layers are a `linear_attn` module taking (hidden_states, ...) of one
 # sequence, which the packed path runs sequence by sequence.
 SEGMENTABLE_LINEAR_ATTENTION = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
+# Text decoders the conformance suite proves packed (tests/test_conformance.py). Another model type is packed only
+# when its config declares no token mixer beyond those the packed path applies (`undeclared_mixers`) and the load
+# probe reaches past every mixer's span (extract_probe.py).
+PROVEN_PACKED = frozenset({
+    "qwen3", "llama", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "mistral", "gemma2",
+    "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_vl_text",
+})
+# Config settings that declare a token mixer other than attention (state spaces, short convolutions): in a model
+# type not proven packed, one of them sends it to padded batches whatever its layer types say.
+MIXER_SETTINGS = ("mamba_", "ssm_", "conv_L_cache", "short_conv", "linear_conv_kernel_dim", "attention_chunk_size")
 # Attention extras the native SDPA kernel ignores: the reference (and padded) path must use eager attention.
 EAGER_ONLY_FEATURES = frozenset({"softcap", "sinks"})
 
@@ -81,6 +91,8 @@ def profile_config(config, *, attn_implementation: str = "sdpa", packing: str = 
         why_padded = f"the linear-attention layers of {text_type} have no per-sequence packed implementation"
     elif getattr(text, "attention_chunk_size", None):
         why_padded = "chunked attention has no packed implementation"
+    elif text_type not in PROVEN_PACKED and (declared := undeclared_mixers(text)):
+        why_padded = f"{text_type} is not proven packed and its config declares other token mixers ({declared})"
     elif packing == "padded":
         why_padded = "extract.packing = 'padded'"
     if packing == "packed" and why_padded and not refusal:
@@ -129,10 +141,20 @@ def _features(text, layer_types: tuple[str, ...]) -> dict[str, str]:
         features["sinks"] = "per head"
     if LINEAR_ATTENTION in layer_types:
         features["linear attention"] = f"{layer_types.count(LINEAR_ATTENTION)} layers"
+    if getattr(text, "attention_chunk_size", None):
+        features["attention chunk"] = str(text.attention_chunk_size)
+    if getattr(text, "mamba_chunk_size", None):
+        features["state-space chunk"] = str(text.mamba_chunk_size)
     experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
     if experts:
         features["MoE"] = f"{experts} experts"
     return features
+
+
+def undeclared_mixers(text) -> str:
+    """The settings of `text` (a text config) that declare token mixers other than attention, comma-separated."""
+    keys = [k for k, v in text.to_dict().items() if v not in (None, False, 0) and k.startswith(MIXER_SETTINGS)]
+    return ", ".join(sorted(keys))
 
 
 def _refusal(config, text, num_layers: int, features: dict[str, str], attn_implementation: str) -> str:

@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from dflash_queue.engines.state_checks import CanaryTolerance
+    from dflash_queue.faults import ExtractFaults
+
 
 @dataclass(frozen=True)
 class GenerationRequest:
@@ -78,16 +81,31 @@ class ExtractEngine(Protocol):
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        break_packing: bool = False,
+        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
-        """States and statistics per request (request order), or each handed to `deliver` as it is ready."""
+        """States and statistics per request (request order), or each handed to `deliver` as it is ready.
+        `faults`: injected by the test suite (dflash_queue/faults.py); an engine may not have them."""
 
     def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
         """The states of one sequence run alone: what the canary compares a shared pass's result with."""
 
-    def canary_tolerance(self) -> float:
-        """The canary's relative-error tolerance when extract.canary_tolerance is 0."""
+    def canary_tolerance(self) -> CanaryTolerance:
+        """The canary's tolerance when extract.canary_tolerance is 0, calibrated when the engine loaded."""
+
+    @property
+    def pass_tokens(self) -> int:
+        """Tokens one pass takes (what `run_together` may be given)."""
+
+    def run_together(
+        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
+    ) -> list[CapturedStates]:
+        """These sequences in one pass, in this order: the later ones follow the earlier ones (`faults` as in
+        `capture`)."""
+
+    def coverage_length(self) -> int:
+        """How far the model's token mixers reach (sliding window, attention chunk): a sequence longer than this
+        exercises them; 0 when plain causal attention is all there is."""
 
     def close(self) -> None:
         """Release the model and any processes or device memory it holds."""

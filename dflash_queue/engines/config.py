@@ -189,10 +189,16 @@ class ExtractConfig(Section):
     id, so a re-delivery checks the same ones): through the model's own attention (Transformers engine), or as a
     batch of one through the same engine (vLLM). 0 turns the canary off."""
     canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
-    """Relative error (per layer, over the sample) above which the canary fails the task for good; 0: by the
-    model's dtype with the Transformers engine (1e-4 for float32, 2e-2 for bfloat16, 5e-3 for float16), and
-    calibrated when the vLLM engine loads (a multiple of its batched-vs-alone noise in the production dtype,
-    never below the dtype's floor)."""
+    """Relative error (per layer, over the whole sample and over its first 8 tokens, right after its pack boundary)
+    above which the canary fails the task for good. 0: calibrated when the engine loads, in the production dtype
+    and on the production device: 10 x the difference between probe sequences first in their pass (nothing can
+    leak into them; the vLLM engine: batched) and alone, never below the dtype's floor (1e-5 float32, 2e-4
+    bfloat16, 1e-4 float16)."""
+    canary_window_every: Annotated[int, Field(ge=0)] = 16
+    """One shard in this many (drawn from the shard id) also has its canary run a sequence longer than the model's
+    sliding window, attention chunk or linear-attention chunk, after another sequence in one pass, and compare it
+    with the sequence alone: the code that only sequences that long reach (a shard's samples are rarely longer than
+    a window of thousands of tokens). Built from the shard's own samples when none is long enough. 0: never."""
     rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
     """A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
     that layer fails the task (with all-zero and constant layers): states no forward pass gives."""

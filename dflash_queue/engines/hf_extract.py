@@ -35,18 +35,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
 
 from dflash_queue.engines.activation_memory import pass_activation_bytes
 from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout, spread_device_map
 from dflash_queue.engines.devices import resolve_device, resolve_dtype, spread_gpu_count
-from dflash_queue.engines.extract_probe import confirm_mode
+from dflash_queue.engines.extract_probe import confirm_mode, coverage_length
 from dflash_queue.engines.layers import captured_entries, resolve_layer_ids
-from dflash_queue.engines.packed_attention import PACKED_ATTENTION, segment_sequences
+from dflash_queue.engines.packed_attention import PACKED_ATTENTION, packed_attention, segment_sequences
 from dflash_queue.engines.passes import packed_inputs, padded_inputs, plan_passes, summarize, token_stats
-from dflash_queue.engines.state_checks import default_tolerance
+from dflash_queue.engines.state_checks import CanaryTolerance
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
+from dflash_queue.faults import ExtractFaults
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
 
 log = logging.getLogger(__name__)
@@ -180,7 +182,8 @@ class HiddenStateExtractor:
             self._hooks.append(norm.register_forward_hook(self._capture_hook(final)))
         self._segment_linear_attention()
         self.use_mode(self.mode)
-        confirm_mode(self)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        self.mode, self.tolerance = confirm_mode(self)
 
     # ---------------------------------------------------------------------------------------------------------
     # Extraction
@@ -193,7 +196,7 @@ class HiddenStateExtractor:
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        break_packing: bool = False,
+        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
         """States and per-layer statistics, one per request, in request order.
@@ -204,8 +207,8 @@ class HiddenStateExtractor:
 
         Raises OutOfMemoryAtMinimumBudget when one sequence alone does not fit in device memory, and
         NonFiniteHiddenStates naming every sample with a NaN or infinite value (after the other samples were
-        delivered). `break_packing` (fault injection, for proving the checks that must catch it) lets the
-        sequences of a pack see each other.
+        delivered). `faults` (injected by the test suite, to prove the checks that must catch them) make the
+        shared passes wrong in the ways dflash_queue/faults.py describes.
         """
         lengths = [len(r.input_ids) for r in requests]
         for request, length in zip(requests, lengths):
@@ -222,7 +225,7 @@ class HiddenStateExtractor:
             failed: list[int] | None = None
             for number, group in enumerate(passes):
                 try:
-                    in_flight.append(self._run(group, requests, leak=break_packing))
+                    in_flight.append(self._run(group, requests, faults=faults))
                 except torch.OutOfMemoryError:
                     failed = group
                     pending = [i for later in passes[number:] for i in later]
@@ -262,8 +265,30 @@ class HiddenStateExtractor:
             self.use_mode(self.mode)
         return buffer if on_device else buffer.cpu()
 
-    def canary_tolerance(self) -> float:
-        return default_tolerance(self.dtype)
+    def canary_tolerance(self) -> CanaryTolerance:
+        """Calibrated by the load probe in this engine's dtype and on its device (see extract_probe.py)."""
+        return self.tolerance
+
+    @property
+    def pass_tokens(self) -> int:
+        return self.effective_token_budget
+
+    def run_together(
+        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
+    ) -> list[CapturedStates]:
+        """These sequences in one pass, in this order (packed or padded as the engine runs)."""
+        captured: dict[int, CapturedStates] = {}
+        nonfinite: list[str] = []
+        run = self._run(list(range(len(requests))), requests, faults=faults)
+        self._hand_over(run, requests, captured.__setitem__, nonfinite)
+        if nonfinite:
+            raise NonFiniteHiddenStates(f"NaN or infinite hidden states: {', '.join(nonfinite)}",
+                                        sample_ids=tuple(nonfinite))
+        return [captured[i] for i in range(len(requests))]
+
+    def coverage_length(self) -> int:
+        """How far the model's token mixers reach (window, attention chunk, linear-attention chunk); 0: none."""
+        return coverage_length(self.profile)
 
     def activation_bytes(self, tokens: int) -> int:
         """Estimated device memory a forward pass over `tokens` packed tokens needs beyond the weights (see
@@ -281,12 +306,18 @@ class HiddenStateExtractor:
     # Passes
 
     @torch.inference_mode()
-    def _run(self, group: list[int], requests: Sequence[ExtractionRequest], *, leak: bool = False) -> _PassResult:
+    def _run(
+        self,
+        group: list[int],
+        requests: Sequence[ExtractionRequest],
+        *,
+        faults: ExtractFaults | None = None,
+    ) -> _PassResult:
         sequences = [requests[i].input_ids for i in group]
         if self.mode == "packed":
             built = packed_inputs(sequences)
             assert built.bounds is not None  # packed inputs always have them
-            bounds = [0, built.bounds[-1]] if leak else built.bounds
+            bounds = [0, built.bounds[-1]] if faults and faults.break_packing else built.bounds
             extra = self._packing_kwargs(bounds)
         else:
             built, extra = padded_inputs(sequences), {}
@@ -295,10 +326,17 @@ class HiddenStateExtractor:
         rows = inputs["input_ids"].numel()
         buffer = torch.empty((rows, len(self.captured), self.hidden_size), dtype=self.dtype, device=self.device)
         self._buffer = buffer
+        window_ignored = bool(faults and faults.ignore_window and self.mode == "packed")
+        if window_ignored:
+            self._set_attention(PACKED_ATTENTION_IGNORING_WINDOWS)
         try:
             self.model(**inputs, use_cache=False)
         finally:
             self._buffer = None
+            if window_ignored:
+                self.use_mode(self.mode)
+        if faults and faults.head_leak is not None:
+            _leak_into_heads(buffer, spans, *faults.head_leak)
         stats = token_stats(buffer)
         if not self._cuda:
             return _PassResult(group, spans, buffer, stats, None)
@@ -403,6 +441,27 @@ def _layers_per_gpu(device_map: dict[str, int]) -> str:
         if name.startswith("layers."):
             runs.setdefault(gpu, []).append(int(name.split(".")[1]))
     return ", ".join(f"{gpu}: layers {min(ids)}-{max(ids)}" for gpu, ids in sorted(runs.items()))
+
+
+def _packed_attention_ignoring_windows(*args, sliding_window=None, **kwargs):
+    """Fault injection (faults.ExtractFaults.ignore_window): packed attention without the layers' windows."""
+    return packed_attention(*args, **kwargs)
+
+
+PACKED_ATTENTION_IGNORING_WINDOWS = "dfq_packed_ignoring_windows"
+AttentionInterface.register(PACKED_ATTENTION_IGNORING_WINDOWS, _packed_attention_ignoring_windows)
+
+
+def _leak_into_heads(buffer: torch.Tensor, spans: list[tuple[int, int]], share: float, tokens: int) -> None:
+    """Fault injection (faults.head_leak): the first `tokens` states of every sequence that follows another in its
+    pass get `share` of the previous sequence's last state, at their own scale: what a convolution or recurrent
+    state carried across a pack boundary does."""
+    for (_, previous_end), (start, end) in zip(spans[:-1], spans[1:]):
+        carried = buffer[previous_end - 1].float()  # [K, H]
+        direction = carried / torch.linalg.vector_norm(carried, dim=-1, keepdim=True).clamp_min(1e-30)
+        head = buffer[start : min(start + tokens, end)]
+        scale = torch.linalg.vector_norm(head.float(), dim=-1, keepdim=True)
+        head.copy_((head.float() + share * scale * direction).to(buffer.dtype))
 
 
 def _truncate_layers(model: Any, keep: int) -> Any:

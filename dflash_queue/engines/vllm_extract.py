@@ -50,12 +50,14 @@ import torch
 from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.engines import vllm_runtime
+from dflash_queue.engines.architecture import profile_config
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import read_layout
+from dflash_queue.engines.extract_probe import coverage_length
 from dflash_queue.engines.final_norm import FinalNorm
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
 from dflash_queue.engines.passes import summarize, token_stats
-from dflash_queue.engines.state_checks import compare_states
+from dflash_queue.engines.state_checks import CanaryTolerance, calibrate, compare_states
 from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
 from dflash_queue.engines.vllm_states_connector import (
     CANARY_PARAM,
@@ -74,6 +76,7 @@ from dflash_queue.errors import (
     NonFiniteHiddenStates,
     UnsupportedArchitecture,
 )
+from dflash_queue.faults import ExtractFaults
 from dflash_queue.shards.training import FINAL_NORM
 
 log = logging.getLogger(__name__)
@@ -85,11 +88,9 @@ CONNECTOR_MODULE = "dflash_queue.engines.vllm_states_connector"
 STATES_WAIT_S = 300.0
 SCAN_MIN_S = 0.001
 SCAN_MAX_S = 0.02
-# The canary's tolerance: this multiple of the batched-vs-alone difference measured at load, never below the
-# dtype's floor (the float32 floor is the exactness this engine is held to against the checkpoint's own forward).
+# Probe sequences for the canary's tolerance (state_checks.CanaryTolerance: a multiple of the batched-vs-alone
+# difference measured at load, never below the dtype's floor), and one past the model's window or chunk.
 CALIBRATION_LENGTHS = (37, 96, 211)
-CALIBRATION_FACTOR = 10.0
-TOLERANCE_FLOOR = {torch.float32: 1e-5, torch.float64: 1e-8, torch.bfloat16: 4e-3, torch.float16: 5e-4}
 _DIR_PREFIX = "dfq-states-"
 
 
@@ -125,6 +126,11 @@ def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: st
 
 # ---------------------------------------------------------------------------------------------------------------
 # The transfer directory
+
+
+def coverage_length_of(text_config: Any) -> int:
+    """The model's window, attention chunk or linear-attention chunk, as the Transformers engine reads it."""
+    return coverage_length(profile_config(text_config))
 
 
 def transfer_base(setting: str) -> Path:
@@ -310,6 +316,7 @@ class VllmStateExtractor:
                 FinalNorm(config.model.path, self.dtype, layout) if config.extract.final_norm_state else None
             )
             self._gate, self._arrivals = self._resident.run(self._make_loop_objects())
+            self._coverage = coverage_length_of(text)
             self.calibrated_noise, self._tolerance = self._calibrate()
         except BaseException:
             self.close()
@@ -328,7 +335,7 @@ class VllmStateExtractor:
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        break_packing: bool = False,
+        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
         """States and statistics, one per request (request order), or each to `deliver(index, captured)` as soon
@@ -337,7 +344,8 @@ class VllmStateExtractor:
         Raises EngineStatesInvalid (the task fails for good) when the engine's states cannot be the sequence's
         own, NonFiniteHiddenStates naming the samples with NaN or infinite states (after the others were
         delivered), GenerationRejected for a sequence the engine refuses (longer than its context).
-        `break_packing` concerns the Transformers engine's packing and is not used here.
+        `faults` concern the Transformers engine's packing and are not used here (the connector's faults stand
+        for this engine's).
         """
         for request in requests:
             if not request.input_ids:
@@ -393,8 +401,21 @@ class VllmStateExtractor:
             raise
         return self._receive(request, path)
 
-    def canary_tolerance(self) -> float:
+    def canary_tolerance(self) -> CanaryTolerance:
         return self._tolerance
+
+    def coverage_length(self) -> int:
+        return self._coverage
+
+    @property
+    def pass_tokens(self) -> int:
+        return self.max_model_len
+
+    def run_together(
+        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
+    ) -> list[CapturedStates]:
+        """These sequences batched in the engine (the order does not matter to it)."""
+        return self.capture(requests, faults=faults)
 
     async def _run_all(
         self, capture: int, requests: Sequence[ExtractionRequest], arrived: queue.Queue[tuple[int, str]]
@@ -504,27 +525,34 @@ class VllmStateExtractor:
     # -----------------------------------------------------------------------------------------------------------
     # Load-time calibration of the canary
 
-    def _calibrate(self) -> tuple[float, float]:
+    def _calibrate(self) -> tuple[float, CanaryTolerance]:
         """(largest relative difference between probe sequences batched and alone, the canary's tolerance)."""
         rng = random.Random(0)
         lengths = [min(length, self.max_model_len - 1) for length in CALIBRATION_LENGTHS]
+        if self._coverage:  # one probe past the window or chunk, so that the tolerance covers that code too
+            lengths.append(min(self._coverage + 6, self.max_model_len - 1))
         probes = [
             ExtractionRequest(f"probe-{i}", [rng.randrange(self.vocab_size) for _ in range(length)])
             for i, length in enumerate(lengths)
         ]
         started = time.perf_counter()
         batched = self.capture(probes)
-        noise = 0.0
-        for probe, captured in zip(probes, batched):
-            noise = max(noise, compare_states(captured.states, self.reference_states(probe)).worst)
-        floor = TOLERANCE_FLOOR.get(self.dtype, 1e-2)
-        tolerance = self.configured_tolerance or max(CALIBRATION_FACTOR * noise, floor)
+        differences = [compare_states(c.states, self.reference_states(p)) for p, c in zip(probes, batched)]
+        measured = calibrate(self.dtype, differences)
+        noise = max(d.worst for d in differences)
+        if measured.beyond_rounding(self.dtype):
+            raise UnsupportedArchitecture(
+                f"vLLM extract engine: probe sequences of {'/'.join(map(str, lengths))} tokens batched differ from "
+                f"the same sequences alone by {noise:.2e} relative, more than {self.dtype} rounding explains: this "
+                "engine does not extract this model exactly (extract.engine = 'transformers' may)"
+            )
+        tolerance = CanaryTolerance.fixed(self.configured_tolerance) if self.configured_tolerance else measured
         log.info(
-            "vLLM extract engine: probe sequences batched vs alone differ by %.2e relative (%s); canary tolerance "
-            "%.2e%s (%.1f s)",
-            noise, str(self.dtype).removeprefix("torch."), tolerance,
-            " (extract.canary_tolerance)" if self.configured_tolerance else "",
-            time.perf_counter() - started,
+            "vLLM extract engine: probe sequences of %s tokens batched vs alone differ by %.2e relative (first "
+            "tokens %.2e, %s); canary tolerance %.2e whole sample, %.2e first tokens%s (%.1f s)",
+            "/".join(map(str, lengths)), noise, max(d.worst_head for d in differences),
+            str(self.dtype).removeprefix("torch."), tolerance.whole, tolerance.head,
+            " (extract.canary_tolerance)" if self.configured_tolerance else "", time.perf_counter() - started,
         )
         return noise, tolerance
 

@@ -1,4 +1,5 @@
-"""Which samples of a shard the canary recomputes, picked while the shard's states stream past.
+"""The canary of a shard: which samples it recomputes (picked while the shard's states stream past), and the
+check itself.
 
 Drawn from the shard id, so a re-delivered task checks the same ones; preferably from the samples that followed
 another in their forward pass (the first sequence of a pass sees nothing before it, so a leak between sequences
@@ -10,10 +11,22 @@ of the best `count` seen so far: never more than `count` samples' states, whatev
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from dflash_queue import faults
+from dflash_queue.engines.base import ExtractEngine, ExtractionRequest
+from dflash_queue.engines.state_checks import CanaryTolerance, StateDifference, check_canary
+
+# Verdicts: every canary sample matched, and at least one of them followed another sequence in its pass (where a
+# leak would show); or they matched but none did, so a leak between sequences could not have shown.
+PASSED = "pass"
+UNTESTABLE = "untestable"
 
 
 class CanaryPicker:
@@ -25,6 +38,7 @@ class CanaryPicker:
         random.Random(shard_id).shuffle(order)
         self._rank = {index: rank for rank, index in enumerate(order)}
         self._kept: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+        self._positions: dict[int, int] = {}
 
     def offer(self, index: int, states: torch.Tensor, pass_position: int) -> None:
         """Keep a copy of `states` if the sample is among the best `count` candidates offered so far."""
@@ -40,8 +54,126 @@ class CanaryPicker:
             del self._kept[worst]
         # A copy: a view would keep its whole forward pass's states alive.
         self._kept[index] = (key, states.clone())
+        self._positions[index] = pass_position
 
-    def chosen(self, ok: Sequence[int]) -> list[tuple[int, torch.Tensor]]:
-        """(index, states) of the kept samples still in the shard, in shard order."""
+    def chosen(self, ok: Sequence[int]) -> list[tuple[int, torch.Tensor, int]]:
+        """(index, states, position in its pass) of the kept samples still in the shard, in shard order."""
         allowed = set(ok)
-        return [(i, states) for i, (_, states) in sorted(self._kept.items()) if i in allowed]
+        return [(i, states, self._positions[i]) for i, (_, states) in sorted(self._kept.items()) if i in allowed]
+
+
+@dataclass(frozen=True)
+class CanaryOutcome:
+    record: dict[str, Any]  # the shard's `canary` metadata
+    samples: int  # samples recomputed alone (the window canary's sequence included)
+    worst: float  # the largest relative error over the whole sample, any layer
+    untestable: bool
+    window: bool  # a sequence longer than the model's window or chunk was checked
+
+
+def window_canary_due(shard_id: str, every: int) -> bool:
+    """Whether this shard's canary also checks a sequence longer than the model's window (one shard in `every`,
+    drawn from the shard id, so a re-delivery does the same)."""
+    if every <= 0:
+        return False
+    return int.from_bytes(hashlib.sha256(shard_id.encode()).digest()[:8], "little") % every == 0
+
+
+def run_canary(
+    engine: ExtractEngine,
+    shard_id: str,
+    requests: Sequence[ExtractionRequest],
+    chosen: Sequence[tuple[int, torch.Tensor, int]],
+    ok: Sequence[int],
+    layer_names: Sequence[str],
+    tolerance: CanaryTolerance,
+    window_every: int,
+) -> CanaryOutcome | None:
+    """Recompute the chosen samples alone and compare (raises CanaryMismatch above the tolerance); on the shards
+    `window_canary_due` picks, also a sequence longer than the model's window, after another one in one pass."""
+    if not chosen:
+        return None
+    checked: list[tuple[str, StateDifference, int]] = []
+    for index, states, position in chosen:
+        request = requests[index]
+        difference = check_canary(
+            request.sample_id,
+            states.to(engine.device),  # compared on the device: the states of a long sample are large for the host
+            engine.reference_states(request, on_device=True),
+            layer_names,
+            tolerance,
+        )
+        checked.append((request.sample_id, difference, position))
+    window = None
+    if engine.coverage_length() and window_canary_due(shard_id, window_every):
+        window = _window_canary(engine, shard_id, [requests[i] for i in ok], layer_names, tolerance)
+        checked.append((window["sample"], window.pop("difference"), window["position"]))
+    differences = [d for _, d, _ in checked]
+    per_layer = [max(d.relative[k] for d in differences) for k in range(len(layer_names))]
+    followers = sum(1 for _, _, position in checked if position > 0)
+    record = {
+        "samples": [sample for sample, _, _ in checked[: len(chosen)]],
+        "relative_error": max(per_layer),
+        "relative_error_per_layer": per_layer,
+        "head_error": max(d.worst_head for d in differences),
+        "worst_token_error": max(max(d.worst_token) for d in differences),
+        **tolerance.to_metadata(),
+        "followers": followers,
+        "verdict": PASSED if followers else UNTESTABLE,
+    }
+    if window is not None:
+        record["window"] = window
+    return CanaryOutcome(record, len(checked), max(per_layer), not followers, window is not None)
+
+
+def _window_canary(
+    engine: ExtractEngine,
+    shard_id: str,
+    requests: Sequence[ExtractionRequest],
+    layer_names: Sequence[str],
+    tolerance: CanaryTolerance,
+) -> dict[str, Any]:
+    """A sequence longer than the model's window or chunk: the shortest of the shard's that is, else the shard's
+    sequences joined until one is; run after the shard's shortest sequence in one pass, then alone."""
+    reach = engine.coverage_length()
+    long_enough = sorted((r for r in requests if len(r.input_ids) > reach), key=lambda r: len(r.input_ids))
+    if long_enough:
+        ids = list(long_enough[0].input_ids)
+    else:
+        ids = []
+        for request in requests:
+            ids += request.input_ids
+            if len(ids) > reach:
+                break
+        ids = (ids * (reach // max(len(ids), 1) + 1))[: reach + 1] if len(ids) <= reach else ids
+    target = ExtractionRequest(f"{shard_id}:window", ids)
+    before = min(requests, key=lambda r: len(r.input_ids))
+    together = [before, target] if len(before.input_ids) + len(ids) <= engine.pass_tokens else [target]
+    results = engine.run_together(together, faults=faults.extract_faults() or None)
+    position = len(together) - 1
+    difference = check_canary(
+        target.sample_id,
+        results[position].states.to(engine.device),
+        engine.reference_states(target, on_device=True),
+        layer_names,
+        tolerance,
+    )
+    return {
+        "sample": target.sample_id,
+        "tokens": len(ids),
+        "reach": reach,
+        "position": position,
+        "relative_error": difference.worst,
+        "head_error": difference.worst_head,
+        "difference": difference,
+    }
+
+
+def canary_notes(untestable: int, window: int) -> str:
+    """What the canary could not check, and how often it checked past the model's window."""
+    notes = ""
+    if untestable:
+        notes += f"; {untestable:,} shard(s) untestable (no sample followed another in its pass)"
+    if window:
+        notes += f"; {window:,} past the window"
+    return notes

@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import safetensors
 import torch
@@ -35,9 +35,9 @@ import dflash_queue
 from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
-from dflash_queue.engines.state_checks import check_canary, check_plausible
+from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
 from dflash_queue.errors import WorkerShuttingDown
-from dflash_queue.lanes.canaries import CanaryPicker
+from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.shards.completions import decode_completions
@@ -64,10 +64,16 @@ class ExtractSummary:
     # Canary samples recomputed alone, and their worst relative error against the packed states (None: none).
     canary_samples: int = 0
     canary_error: float | None = None
+    # The canary could not see a leak between sequences (none of its samples followed another in its pass).
+    canary_untestable: bool = False
+    # The canary also checked a sequence longer than the model's sliding window or attention chunk.
+    canary_window: bool = False
 
     def counters(self) -> dict[str, int]:
         return {
             "extract_canary_samples": self.canary_samples,
+            "extract_canary_untestable": int(self.canary_untestable),
+            "extract_canary_window": int(self.canary_window),
             "extract_samples": self.num_samples,
             "extract_tokens": self.num_tokens,
             "extract_bytes": self.num_bytes,
@@ -170,7 +176,8 @@ class ExtractLane:
         picker = CanaryPicker(shard_id, [len(r.input_ids) for r in requests], self.config.extract.canary_samples)
         with self.uploader.stage(shard_id) as staged:
             # States go to the staged file as each forward pass finishes: the task holds about one pass of them.
-            with TrainingShardWriter(staged.path, rows, self.info, dropped=dropped) as writer:  # type: ignore[arg-type]
+            info = replace(self.info, injected_faults=faults.installed())
+            with TrainingShardWriter(staged.path, rows, info, dropped=dropped) as writer:  # type: ignore[arg-type]
 
                 def deliver(index: int, captured: CapturedStates) -> None:
                     writer.write(index, captured.states)
@@ -181,7 +188,10 @@ class ExtractLane:
                     isolated = run_isolating_streamed(requests, self._capture, [r.sample_id for r in requests], deliver)
                     poisoned_ids = {requests[i].sample_id for i, _ in isolated.poisoned}
                     ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # whole or dead
-                    canary = self._check_canaries(requests, picker.chosen(ok))
+                    canary = run_canary(
+                        self.extractor, shard_id, requests, picker.chosen(ok), ok, self.layer_names,
+                        self._canary_tolerance(), self.config.extract.canary_window_every,
+                    )
                 check_plausible(
                     [requests[i].sample_id for i in ok],
                     [summaries[i] for i in ok],
@@ -197,7 +207,9 @@ class ExtractLane:
                     dead = [s.id for s in decode_prompts(self.storage.read_bytes(prompts_key(shard_id)), what=shard_id)]
                 kept_rows = set(ok)
                 size = writer.finish(
-                    dead=dead, canary=canary, leave_out=[i for i in range(len(rows)) if i not in kept_rows]
+                    dead=dead,
+                    canary=canary.record if canary else None,
+                    leave_out=[i for i in range(len(rows)) if i not in kept_rows],
                 )
             stored = self.uploader.upload(staged, out_key)
         stored.result()
@@ -207,8 +219,10 @@ class ExtractLane:
             sum(len(requests[i].input_ids) for i in ok),
             size,
             poisoned=tuple(first_errors.items()),
-            canary_samples=len(canary["samples"]) if canary else 0,
-            canary_error=canary["relative_error"] if canary else None,
+            canary_samples=canary.samples if canary else 0,
+            canary_error=canary.worst if canary else None,
+            canary_untestable=bool(canary and canary.untestable),
+            canary_window=bool(canary and canary.window),
         )
 
     @property
@@ -217,35 +231,11 @@ class ExtractLane:
 
     def _capture(self, requests: list[ExtractionRequest], deliver: Callable[[int, CapturedStates], None]) -> None:
         faults.check_poison("extract", (r.sample_id for r in requests))
-        self.extractor.capture(requests, break_packing=faults.packing_broken(), deliver=deliver)
+        self.extractor.capture(requests, faults=faults.extract_faults() or None, deliver=deliver)
 
-    def _check_canaries(
-        self, requests: list[ExtractionRequest], chosen: list[tuple[int, torch.Tensor]]
-    ) -> dict | None:
-        """Recompute the canary samples (see lanes/canaries.py) alone and compare; raises CanaryMismatch above
-        tolerance."""
-        if not chosen:
-            return None
-        tolerance = self.config.extract.canary_tolerance or self.extractor.canary_tolerance()
-        device = self.extractor.device
-        differences = [
-            check_canary(  # compared on the device: the states of a long sample are large for the host
-                requests[i].sample_id,
-                states.to(device),
-                self.extractor.reference_states(requests[i], on_device=True),
-                self.layer_names,
-                tolerance,
-            )
-            for i, states in chosen
-        ]
-        per_layer = [max(d.relative[k] for d in differences) for k in range(len(self.layer_names))]
-        return {
-            "samples": [requests[i].sample_id for i, _ in chosen],
-            "relative_error": max(per_layer),
-            "relative_error_per_layer": per_layer,
-            "worst_token_error": max(max(d.worst_token) for d in differences),
-            "tolerance": tolerance,
-        }
+    def _canary_tolerance(self) -> CanaryTolerance:
+        configured = self.config.extract.canary_tolerance
+        return CanaryTolerance.fixed(configured) if configured else self.extractor.canary_tolerance()
 
     def begin_shutdown(self) -> None:
         """Tasks that have not reached the engine yet give up (and are requeued); the others finish."""

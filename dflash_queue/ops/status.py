@@ -60,6 +60,10 @@ class LaneStatus:
     # checks its states).
     canary_samples: int = 0
     canary_worst_error: float | None = None
+    # Shards whose canary could not see a leak between sequences (no sample followed another in its pass), and
+    # shards whose canary checked a sequence longer than the model's window.
+    canary_untestable: int = 0
+    canary_window: int = 0
 
 
 @dataclass
@@ -195,6 +199,8 @@ def collect_status(
         if spec.canary_error is not None:
             status.canary_samples = counters.get(spec.canary_counter, 0)
             status.canary_worst_error = maxima.get(spec.canary_error)
+            status.canary_untestable = counters.get(f"{spec.name}_canary_untestable", 0)
+            status.canary_window = counters.get(f"{spec.name}_canary_window", 0)
         # Shards, not samples, measure what is left: the quality gate may shrink a shard on its way.
         shard_rate = window.rate(spec.shards_counter)
         if not states:

@@ -6,6 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
 from dflash_queue.ops.status import LaneStatus, RunStatus
@@ -38,11 +39,13 @@ def status_table(status: RunStatus) -> Group:
         table.add_row(label, *(cell(lane) for lane in status.lanes.values()))
     notes = []
     if status.shards_missing:
-        notes.append(Text(
-            f"{len(status.shards_missing):,} shard(s) marked done have no training file in {status.storage} "
-            f"(e.g. {status.shards_missing[0]}): `dflash-queue enqueue` sends them again",
-            style="red",
-        ))
+        notes.append(
+            Text(
+                f"{len(status.shards_missing):,} shard(s) marked done have no training file in {status.storage} "
+                f"(e.g. {status.shards_missing[0]}): `dflash-queue enqueue` sends them again",
+                style="red",
+            )
+        )
     if status.storage_error:
         notes.append(Text(f"storage {status.storage} not checked ({status.storage_error}): done as the ledger says"))
     if status.finished:
@@ -80,7 +83,9 @@ def _tokens(s: LaneStatus) -> str:
 
 
 def _throughput(s: LaneStatus) -> str:
-    return _volume(s, s.rates, {"tokens": lambda v: humanize.rate(v, "tok"), "bytes": lambda v: f"{humanize.size(v)}/s"})
+    return _volume(
+        s, s.rates, {"tokens": lambda v: humanize.rate(v, "tok"), "bytes": lambda v: f"{humanize.size(v)}/s"}
+    )
 
 
 def _volume(s: LaneStatus, values: dict, formats: dict) -> str:
@@ -104,7 +109,9 @@ def _canary(s: LaneStatus) -> str:
         return "—"
     if not s.canary_samples or s.canary_worst_error is None:
         return "no sample checked yet"
-    return f"{s.canary_samples:,} samples rerun alone, worst relative error {s.canary_worst_error:.2e}"
+    return f"{s.canary_samples:,} samples rerun alone, worst relative error {s.canary_worst_error:.2e}" + canary_notes(
+        s.canary_untestable, s.canary_window
+    )
 
 
 def _turns(s: LaneStatus) -> str:

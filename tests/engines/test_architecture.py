@@ -25,6 +25,10 @@ from dflash_queue.errors import UnsupportedArchitecture
         ("gemma2", "packed", {"sliding window": "16", "softcap": "5"}, "eager"),
         ("gpt_oss", "packed", {"sliding window": "16", "sinks": "per head", "MoE": "4 experts"}, "eager"),
         ("lfm2", "padded", {}, "sdpa"),
+        ("deepseek_v3", "packed", {"MoE": "8 experts"}, "sdpa"),
+        ("qwen3_vl", "packed", {}, "sdpa"),
+        ("qwen3_5_moe", "packed", {"linear attention": "4 layers", "MoE": "4 experts"}, "sdpa"),
+        ("bamba", "padded", {"linear attention": "4 layers", "state-space chunk": "16"}, "sdpa"),
     ],
 )
 def test_each_family_gets_its_mode_features_and_reference_attention(tiny_family, name, mode, features, reference):
@@ -59,6 +63,37 @@ def test_linear_attention_of_an_unknown_model_runs_padded(tiny_family):
     profile = profile_config(config)
     assert profile.mode == "padded"
     assert profile.why_padded == "the linear-attention layers of kimi_linear have no per-sequence packed implementation"
+
+
+def test_an_unproven_model_type_declaring_another_token_mixer_runs_padded(tiny_family):
+    """A model type the conformance suite does not prove, whose layer types say attention only but whose config
+    declares a state space: padded, naming the settings; without them it may be packed (after the probe)."""
+    config = AutoConfig.from_pretrained(tiny_family("qwen3"))
+    config.model_type = "new_hybrid"
+    assert profile_config(config).mode == "packed"
+    config.mamba_d_state = 16
+    profile = profile_config(config)
+    assert profile.mode == "padded"
+    assert profile.why_padded == "new_hybrid is not proven packed and its config declares other token mixers " \
+        "(mamba_d_state)"
+    config.model_type = "qwen3"  # a proven type is judged by its layer types
+    assert profile_config(config).mode == "packed"
+
+
+@pytest.mark.parametrize("proven", [True, False])
+def test_an_unproven_model_type_is_packed_only_when_the_probe_reaches_past_its_window(tiny_family, caplog, proven):
+    """Mistral's window is 16 tokens; with 12 positions the probe cannot run a sequence past it. Mistral itself is
+    proven packed; the same model under a model type the suite does not prove runs padded."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(tiny_family("mistral"), dtype=torch.float32)
+    model.config.max_position_embeddings = 12
+    if not proven:
+        model.config.model_type = "new_windowed"
+    with caplog.at_level("INFO"):
+        extractor = HiddenStateExtractor.from_model(model, layer_ids=(1, 3))
+    assert extractor.mode == ("packed" if proven else "padded")
+    assert ("the probe's 11 tokens cannot reach past its mixers' span of 16 tokens" in caplog.text) != proven
 
 
 @pytest.mark.parametrize(
@@ -128,8 +163,12 @@ def test_the_probe_falls_back_to_padded_batches_when_packing_is_not_exact(tiny_f
     finally:
         AttentionInterface.register(packed_attention.PACKED_ATTENTION, original)
     assert extractor.mode == "padded"
-    assert "packed sequences (per-sequence attention) is not exact" in caplog.text
-    assert "padded batches (packing was not exact), sdpa attention (probe: max relative error" in caplog.text
+    # The window reaches the probe's first sequence too: its difference alone is beyond rounding, so no tolerance is
+    # calibrated from it.
+    assert "packed sequences (per-sequence attention) is not exact (probe: a sequence first in its pass differs from " \
+        "it alone by" in caplog.text
+    assert "padded batches (packing was not exact), sdpa attention (probe of 70/9/21 tokens: max relative error" \
+        in caplog.text
 
 
 def test_the_shipped_h200_config_runs_the_27b_class_hybrid_packed_on_the_dflash_layers(tmp_path):

@@ -6,7 +6,6 @@ injected in the KV connector, inside vLLM's processes)."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 
@@ -16,8 +15,14 @@ import torch
 from dflash_queue import faults
 from dflash_queue.engines.base import ExtractionRequest
 from dflash_queue.engines.hf_extract import HiddenStateExtractor
-from dflash_queue.engines.state_checks import CanaryMismatch, ImplausibleHiddenStates, compare_states
-from dflash_queue.engines.vllm_extract import CALIBRATION_FACTOR, TOLERANCE_FLOOR, VllmStateExtractor
+from dflash_queue.engines.state_checks import (
+    CALIBRATION_FACTOR,
+    TOLERANCE_FLOORS,
+    CanaryMismatch,
+    ImplausibleHiddenStates,
+    compare_states,
+)
+from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import EngineStatesInvalid
 from dflash_queue.lanes.extract import ExtractLane
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
@@ -85,17 +90,11 @@ def config(family, tmp_path_factory):
 @pytest.fixture(scope="module")
 def extractor(config):
     """One engine for the module, its connector told to break the states of the `fault-*` samples only."""
-    previous = os.environ.get(faults.ENV)
-    os.environ[faults.ENV] = json.dumps({"extract_vllm_states": FAULTS})
-    faults._faults.cache_clear()
+    faults.install({"extract_vllm_states": FAULTS})
     try:
         engine = VllmStateExtractor(config)
     finally:
-        if previous is None:
-            os.environ.pop(faults.ENV, None)
-        else:
-            os.environ[faults.ENV] = previous
-        faults._faults.cache_clear()
+        faults.uninstall()
     yield engine
     transfer_dir = engine.transfer_dir
     engine.close()
@@ -183,8 +182,10 @@ def test_results_are_delivered_as_each_sequence_finishes_and_concurrent_tasks_sh
 def test_the_canary_tolerance_is_calibrated_at_load(extractor):
     # float32 on the CPU: batched and alone agree to rounding, so the tolerance is the dtype's floor.
     assert 0.0 <= extractor.calibrated_noise <= 1e-6
-    expected = max(CALIBRATION_FACTOR * extractor.calibrated_noise, TOLERANCE_FLOOR[torch.float32])
-    assert extractor.canary_tolerance() == expected
+    tolerance = extractor.canary_tolerance()
+    assert tolerance.noise_whole == extractor.calibrated_noise
+    assert tolerance.whole == max(CALIBRATION_FACTOR * extractor.calibrated_noise, TOLERANCE_FLOORS[torch.float32][0])
+    assert tolerance.head == max(CALIBRATION_FACTOR * tolerance.noise_head, TOLERANCE_FLOORS[torch.float32][1])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,7 +229,9 @@ def test_a_shard_records_the_engine_and_its_calibrated_canary(config, extractor)
     assert json.loads(info["layer_states"]) == [kind for _, kind in CAPTURED]
     assert "vllm" in json.loads(info["versions"])
     canary = json.loads(info["canary"])
-    assert canary["tolerance"] == extractor.canary_tolerance() and canary["relative_error"] <= 1e-5
+    tolerance = extractor.canary_tolerance()
+    assert canary["tolerance"] == tolerance.whole and canary["head_tolerance"] == tolerance.head
+    assert canary["relative_error"] <= 1e-5 and canary["verdict"] == "pass"
 
 
 def test_states_left_all_zero_fail_the_task_and_store_nothing(config, extractor):
