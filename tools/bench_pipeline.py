@@ -1,32 +1,36 @@
 #!/usr/bin/env python
-"""Queue overhead: what Redis, Celery and the workers add per shard, against a direct loop over the same lanes.
+"""Queue overhead: what Redis, Celery and the workers add per shard, against the same two lanes handing shards to
+each other directly.
 
-The same jobs run two ways, in rounds that alternate which goes first:
+The same jobs run two ways, in rounds that alternate which goes first, with the same overlap on both sides:
 
   pipeline: the producer stages and enqueues the job; a real generate worker and a real extract worker (engines
             loaded before timing) run it; timed from the start of enqueue until the ledger shows every shard done;
-  direct:   the same lanes in one process (started like a worker, in a session of its own), shard after shard
-            (prompt file written, generate, extract), on storage of its own; timed from the first prompt file
-            written to the last shard extracted.
+  direct:   the same two lanes in two processes (each started, like a worker, in a session of its own, running
+            as many task threads as the lane's worker would), on storage of their own: the generate process
+            writes each shard's prompt file, generates it and writes its id down a pipe; the extract process
+            extracts each id as it arrives. Timed from the first prompt file written to the last shard stored.
+
+Both ways generate shard i + 1 while shard i is extracted, so their difference is what the queue costs, not the
+overlap. (Comparing with one process running the lanes shard after shard, as this benchmark once did, credited
+the queue with the overlap: the pipeline came out faster than "no queue".)
 
 Each round has a job of its own (the same prompts with a round tag, so new shards), so both ways do fresh work
 every time with the same resident engines. Torch runs `--torch-threads` threads in every process (default 1):
 on a shared two-core machine more threads than free cores make torch's thread pool spin, which slowed one
 shard's generation 10-30x in measurements and drowned what is being measured here.
 
-Prints per round the load average, both times and (pipeline - direct) / shards in ms (target <= 50), then the
-pipeline's time per shard by phase, from Celery's task events and the lanes' busy-time counters:
+Prints per round the load average, both times, their ratio and (pipeline - direct) / shards in ms (target
+<= 50), then min / median / max over the rounds, then the pipeline's time per shard by phase, from Celery's task
+events and the lanes' busy-time counters:
 
   staging        enqueue start -> first generate task started (reading, length filter, prompt files, send)
-  generate/extract lane      the lane's own work (its busy time), against the direct loop's
+  generate/extract lane      the lane's own work (its busy time), against the direct processes'
   generate/extract task      the rest of each task: delivery count, ledger writes, dead-letter settle, chain
   generate/extract dispatch  a worker idle while a message for it waited (broker -> worker -> pool thread)
   finish         last task finished -> the waiting loop saw every shard done
 
-The pipeline runs its two lanes in two processes at once (as a deployment does on two devices), so
-pipeline - direct is what the queue costs net of that overlap; the phase table shows the gross costs.
-
-    .venv/bin/python tools/bench_pipeline.py [--samples 256] [--shard-size 8] [--rounds 3]
+    .venv/bin/python tools/bench_pipeline.py [--samples 256] [--shard-size 8] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -56,6 +62,7 @@ from dflash_queue.lanes.registry import EXTRACT, GENERATE  # noqa: E402
 from dflash_queue.ledger import DONE, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
+from dflash_queue.queue.busy import BusyClock  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
 from dflash_queue.shards.keys import prompts_key  # noqa: E402
@@ -193,6 +200,14 @@ class Round:
     def overhead_ms(self) -> float:
         return 1000 * (self.pipeline_s - self.direct_s) / self.shards
 
+    @property
+    def ratio(self) -> float:
+        return self.pipeline_s / self.direct_s
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    return min(values), statistics.median(values), max(values)
+
 
 class Pipeline:
     """Two real workers, ready; runs one job at a time through the producer and times it."""
@@ -251,35 +266,157 @@ class Pipeline:
         return elapsed, report.shard_ids, phases
 
 
-class DirectProcess:
-    """`Direct` in a child process of its own session, as each worker is: on a machine shared with other jobs the
-    scheduler shares CPU time between sessions, so the direct loop must not run in a session of its own making
-    that the workers do not share (or in this process, next to the event thread)."""
+def now() -> float:
+    """CLOCK_MONOTONIC: one clock for every process on the machine, so that one process's start and another's end
+    make one interval."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
 
-    def __init__(self, config: Config, env: dict[str, str], log: Path) -> None:
+
+def work_through(
+    take: Callable[[], str | None], run: Callable[[str], object], slots: int, hand_over: Callable[[str], None]
+) -> float:
+    """Run each item `take()` gives, until it gives None, in `slots` threads (as a worker's threads pool runs its
+    tasks), handing each item on as soon as its run returns. Returns the seconds at least one item ran
+    (overlapping runs counted once, as the workers' busy counters count them)."""
+    clock, lock, done = BusyClock(), threading.Lock(), threading.Event()
+    busy, errors = 0.0, []
+
+    def loop() -> None:
+        nonlocal busy
+        while not done.is_set():
+            with lock:
+                item = None if done.is_set() else take()
+                if item is None:
+                    done.set()
+                    return
+            clock.start()
+            try:
+                run(item)
+            except BaseException as exc:
+                errors.append(exc)
+                done.set()
+                return
+            finally:
+                elapsed = clock.stop()
+            with lock:
+                busy += elapsed
+                hand_over(item)
+
+    threads = [threading.Thread(target=loop, name=f"bench-slot-{i}") for i in range(slots)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return busy
+
+
+class DirectGenerate:
+    """The generate lane in a process of its own: a job's shards, one prompt file each, generated and their ids
+    written down the hand-over pipe as each is done, then an empty line."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.storage = open_storage(config.storage.url)
+        self.lane = GenerateLane(config, build_generate_engine(config), self.storage)
+
+    def run(self, dataset: Path, pipe: TextIO) -> dict:
+        samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
+        size = self.config.dataset.shard_size
+        shards = iter([samples[begin : begin + size] for begin in range(0, len(samples), size)])
+        shard_ids: list[str] = []
+
+        def take() -> str | None:
+            shard = next(shards, None)
+            if shard is None:
+                return None
+            shard_id = prompt_shard_id(shard)
+            self.storage.write_bytes(prompts_key(shard_id), encode_prompts(shard))
+            shard_ids.append(shard_id)
+            return shard_id
+
+        def hand_over(shard_id: str) -> None:
+            pipe.write(shard_id + "\n")
+            pipe.flush()
+
+        started = now()
+        busy = work_through(take, self.lane.run, GENERATE.default_slots(self.config), hand_over)
+        pipe.write("\n")
+        pipe.flush()
+        return {"started": started, "shard_ids": shard_ids, "busy": busy}
+
+    def close(self) -> None:
+        self.lane.close()
+
+
+class DirectExtract:
+    """The extract lane in a process of its own: each shard id read from the hand-over pipe, extracted and stored,
+    until the empty line that ends a job."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.storage = open_storage(config.storage.url)
+        self.lane = ExtractLane(config, build_extractor(config), self.storage)
+
+    def run(self, _dataset: Path, pipe: TextIO) -> dict:
+        def take() -> str | None:
+            line = pipe.readline()
+            if not line:
+                raise RuntimeError("the generate process closed the hand-over pipe")
+            return line.strip() or None
+
+        shard_ids: list[str] = []
+        busy = work_through(take, self.lane.run, EXTRACT.default_slots(self.config), shard_ids.append)
+        return {"finished": now(), "shard_ids": shard_ids, "busy": busy}
+
+    def close(self) -> None:
+        self.lane.close()
+
+
+def serve_direct(lane: str, config_path: str, fd: int) -> None:
+    """The child side of LaneProcess: a line in per job (the dataset), a JSON answer out per job."""
+    # Answers go to the original stdout; anything else printed goes to the log with stderr.
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    config = load_config(config_path)
+    side = DirectGenerate(config) if lane == "generate" else DirectExtract(config)
+    with os.fdopen(fd, "w" if lane == "generate" else "r") as pipe:
+        try:
+            for line in sys.stdin:
+                answer = "ready" if line.strip() == "ready" else side.run(Path(line.strip()), pipe)
+                print(json.dumps(answer), file=answers, flush=True)
+        finally:
+            side.close()
+
+
+class LaneProcess:
+    """One lane of the direct way, in a child process of its own session, as each worker is: on a machine shared
+    with other jobs the scheduler shares CPU time between sessions, so the direct lanes must not run in a session
+    the workers do not share (or in this process, next to the event thread)."""
+
+    def __init__(self, lane: str, config: Config, env: dict[str, str], log: Path, fd: int) -> None:
         self._log = open(log, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve-direct", str(config.source)],
+            [sys.executable, __file__, "--serve-direct", lane, str(config.source), str(fd)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
             start_new_session=True,
+            pass_fds=(fd,),
         )
-        self._call("ready")
 
-    def _call(self, line: str):
+    def send(self, line: str) -> None:
         self.process.stdin.write(line + "\n")
         self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"the direct loop exited with {self.process.wait()}: see {self._log.name}")
-        return json.loads(answer)
 
-    def run(self, dataset: Path) -> tuple[float, list[str], dict[str, float]]:
-        elapsed, shard_ids, phases = self._call(str(dataset))
-        return elapsed, shard_ids, phases
+    def answer(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the direct lane exited with {self.process.wait()}: see {self._log.name}")
+        return json.loads(line)
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -287,47 +424,30 @@ class DirectProcess:
         self._log.close()
 
 
-def serve_direct(config_path: str) -> None:
-    """The child side of DirectProcess: a dataset path per line in, (seconds, shard ids, phases) as JSON out."""
-    # Answers go to the original stdout; anything else printed goes to the log with stderr.
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    direct = Direct(load_config(config_path))
-    try:
-        for line in sys.stdin:
-            answer = "ready" if line.strip() == "ready" else direct.run(Path(line.strip()))
-            print(json.dumps(answer), file=answers, flush=True)
-    finally:
-        direct.close()
+class DirectLanes:
+    """The direct way: a generate process handing shard ids to an extract process down a pipe."""
 
-
-class Direct:
-    """The same lanes in one process, on storage of their own."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.storage = open_storage(config.storage.url)
-        self.generate = GenerateLane(config, build_generate_engine(config), self.storage)
-        self.extract = ExtractLane(config, build_extractor(config), self.storage)
+    def __init__(self, config: Config, env: dict[str, str], logs: Path) -> None:
+        read_end, write_end = os.pipe()
+        try:
+            self.generate = LaneProcess("generate", config, env, logs / "direct-generate.log", write_end)
+            self.extract = LaneProcess("extract", config, env, logs / "direct-extract.log", read_end)
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+        for side in (self.generate, self.extract):
+            side.send("ready")
+        for side in (self.generate, self.extract):
+            side.answer()
 
     def run(self, dataset: Path) -> tuple[float, list[str], dict[str, float]]:
-        samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
-        size = self.config.dataset.shard_size
-        phases = {"generate lane": 0.0, "extract lane": 0.0}
-        shard_ids = []
-        started = time.perf_counter()
-        for begin in range(0, len(samples), size):
-            shard = samples[begin : begin + size]
-            shard_id = prompt_shard_id(shard)
-            self.storage.write_bytes(prompts_key(shard_id), encode_prompts(shard))
-            t0 = time.perf_counter()
-            self.generate.run(shard_id)
-            t1 = time.perf_counter()
-            self.extract.run(shard_id)
-            phases["generate lane"] += t1 - t0
-            phases["extract lane"] += time.perf_counter() - t1
-            shard_ids.append(shard_id)
-        return time.perf_counter() - started, shard_ids, phases
+        self.extract.send(str(dataset))
+        self.generate.send(str(dataset))
+        generated, extracted = self.generate.answer(), self.extract.answer()
+        if sorted(generated["shard_ids"]) != sorted(extracted["shard_ids"]):
+            raise RuntimeError("the direct extract process did not extract the shards the generate process made")
+        phases = {"generate lane": generated["busy"], "extract lane": extracted["busy"]}
+        return extracted["finished"] - generated["started"], generated["shard_ids"], phases
 
     def close(self) -> None:
         self.generate.close()
@@ -351,16 +471,17 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256, help="samples per job (each round runs one job each way)")
     parser.add_argument("--shard-size", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=1, help="torch threads in every process")
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3")
     parser.add_argument("--timeline", type=Path, help="write every pipeline task's times (s from enqueue) as JSON")
-    parser.add_argument("--serve-direct", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-direct", nargs=3, help=argparse.SUPPRESS)  # lane, config, hand-over fd
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.serve_direct:
-        return serve_direct(args.serve_direct)
+        lane, config_path, fd = args.serve_direct
+        return serve_direct(lane, config_path, int(fd))
     threads = str(args.torch_threads)
     os.environ.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
 
@@ -378,7 +499,7 @@ def main() -> None:
         config = load_config(write_config(tmp / "bench.toml", tables, **overrides))
         direct_tables = tiny_config_tables(model, tmp / "direct", redis.url, tmp / "direct-state")
         direct_config = load_config(write_config(tmp / "direct.toml", direct_tables, **overrides))
-        direct = DirectProcess(direct_config, dict(os.environ), tmp / "direct.log")
+        direct = DirectLanes(direct_config, dict(os.environ), tmp)
         try:
             with Pipeline(config, dict(os.environ), tmp) as pipeline:
                 for index in range(args.rounds):
@@ -390,13 +511,14 @@ def main() -> None:
                         results[way] = (pipeline if way == "pipeline" else direct).run(dataset)
                     pipeline_s, queued_ids, phases = results["pipeline"]
                     direct_s, direct_ids, lanes = results["direct"]
-                    assert queued_ids == direct_ids, "the pipeline and the direct loop made different shards"
+                    assert sorted(queued_ids) == sorted(direct_ids), "the pipeline and the direct lanes made other shards"
                     rounds.append(Round(load, pipeline_s, direct_s, len(direct_ids), phases))
                     direct_phases.append(lanes)
                     timelines.append(pipeline.timeline)
                     print(
                         f"round {index + 1} ({' then '.join(order)}), load {load:.2f}: pipeline {pipeline_s:.2f} s, "
-                        f"direct {direct_s:.2f} s, (pipeline - direct) / shards = {rounds[-1].overhead_ms:+.1f} ms",
+                        f"direct {direct_s:.2f} s, pipeline / direct {rounds[-1].ratio:.3f}, "
+                        f"(pipeline - direct) / shards = {rounds[-1].overhead_ms:+.1f} ms",
                         flush=True,
                     )
         finally:
@@ -415,14 +537,23 @@ def main() -> None:
         mine = [1000 * d[name] / shards for d in direct_phases if name in d]
         alone = f"{statistics.median(mine):9.1f}" if mine else ""
         print(f"  {name:<18} {queued:9.1f} | {alone}")
-    print(f"pipeline: median {statistics.median(r.pipeline_s for r in rounds):.2f} s; "
-          f"direct: median {statistics.median(r.direct_s for r in rounds):.2f} s")
     critical = ("staging", "generate task", "generate dispatch", "finish")
-    queued = statistics.median(sum(1000 * r.phases[name] for name in critical) / shards for r in rounds)
-    print(f"the queue's own time on the generate lane's path ({' + '.join(critical)}): {queued:.1f} ms per shard")
+    figures = {
+        "pipeline, s": [r.pipeline_s for r in rounds],
+        "direct, s": [r.direct_s for r in rounds],
+        "pipeline / direct": [r.ratio for r in rounds],
+        "(pipeline - direct) / shards, ms": [r.overhead_ms for r in rounds],
+        "queue's own time on the generate path, ms per shard": [
+            sum(1000 * r.phases[name] for name in critical) / shards for r in rounds
+        ],
+    }
+    print(f"  {f'over the {len(rounds)} rounds':<52} {'min':>8} {'median':>8} {'max':>8}")
+    for name, values in figures.items():
+        low, middle, high = spread(values)
+        print(f"  {name:<52} {low:8.3f} {middle:8.3f} {high:8.3f}")
+    print(f"(the queue's own time on the generate path: {' + '.join(critical)})")
     overhead = statistics.median(r.overhead_ms for r in rounds)
     print(f"(pipeline - direct) / shards = {overhead:+.1f} ms (median of rounds; target <= 50 ms)")
-
 
 if __name__ == "__main__":
     main()
