@@ -69,15 +69,17 @@ def dead() -> None:
 @dead.command("list")
 @config_option
 @filter_options
-@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array of the dead letters ([] when there are none).")
 def dead_list(config_path, lane, exc_type, kind, older_than, newer_than, as_json) -> None:
-    """List dead letters, oldest first."""
+    """List dead letters, oldest first, and how many there are."""
     _, store = _open(config_path)
     records = _select(store, (), lane, exc_type, kind, older_than, newer_than)
+    if as_json:
+        click.echo(json.dumps([asdict(record) for record in records], indent=1))
+        return
     for record in records:
-        click.echo(json.dumps(asdict(record)) if as_json else record.summary())
-    if not as_json:
-        click.echo(f"{len(records)} dead letter(s)", err=True)
+        click.echo(record.summary())
+    click.echo(f"{len(records)} dead letter(s)")
 
 
 @dead.command("show")

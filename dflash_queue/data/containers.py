@@ -240,12 +240,18 @@ def decode_line(item: RawLine) -> RawRecord | BadRecord | None:
     name, line_no, raw = item.file, item.line, item.raw
     if not raw.strip():
         return None
+    # Without its line ending: the parser would place an error at the end of the line on the next one (column 1).
+    raw = raw.rstrip(b"\r\n") if isinstance(raw, bytes) else raw
     try:
         return RawRecord(name, line_no, jsoncodec.loads(raw))
     except UnicodeDecodeError as exc:
         return BadRecord(name, line_no, f"invalid UTF-8: {exc.reason} at byte {exc.start}")
     except json.JSONDecodeError as exc:
-        return BadRecord(name, line_no, f"malformed JSON: {exc.msg} at column {exc.colno}")
+        at = "" if exc.msg.endswith(" at") else "at "  # "Unterminated string starting at column 47"
+        where = f"{at}column {exc.colno}" if exc.lineno == 1 else f"{at}byte {exc.pos} of the line"
+        if exc.pos >= len(raw):
+            where += " (the end of the line: the record is cut short)"
+        return BadRecord(name, line_no, f"malformed JSON: {exc.msg} {where}")
     except RecursionError:
         return BadRecord(name, line_no, "malformed JSON: nested too deeply")
 

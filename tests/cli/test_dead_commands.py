@@ -33,10 +33,12 @@ def test_list_show_and_filters(make_config, redis_url):
     seed(DeadLetters.from_url(redis_url, config.run.name))
     run = CliRunner().invoke
     listed = run(main, ["dead", "list", "-c", config.source])
-    assert listed.exit_code == 0 and "4 dead letter(s)" in listed.output
-    assert "generate:g1  generate task    g1  FileNotFoundError" in listed.output
+    assert listed.exit_code == 0 and listed.stdout.splitlines()[-1] == "4 dead letter(s)"  # on stdout, counted
+    assert "generate:g1  generate task    g1  FileNotFoundError" in listed.stdout
     extract = run(main, ["dead", "list", "-c", config.source, "--lane", "extract", "--json"])
-    assert sorted(json.loads(line)["sample_ids"][0] for line in extract.output.splitlines()) == ["a", "b"]
+    assert sorted(record["sample_ids"][0] for record in json.loads(extract.stdout)) == ["a", "b"]
+    none = run(main, ["dead", "list", "-c", config.source, "--lane", "extract", "--kind", "message", "--json"])
+    assert none.exit_code == 0 and json.loads(none.stdout) == []
     assert "generate:g1" in run(main, ["dead", "list", "-c", config.source, "--older-than", "1h"]).output
     assert run(main, ["dead", "list", "-c", config.source, "--older-than", "soon"]).exit_code == 2
     shown = run(main, ["dead", "show", "generate:g1", "-c", config.source])

@@ -109,3 +109,18 @@ def test_example_datasets_read_cleanly():
     samples2, bad2 = read(paths[1])
     assert bad == [] and bad2 == []
     assert len(samples) + len(samples2) >= 50
+
+
+def test_malformed_json_names_the_column_where_the_line_breaks_off(tmp_path):
+    """A record cut short: the error is at the end of its own line, not at column 1 of the next."""
+    cut = b'{"conversations": [{"from": "human", "value": "a question"}'  # "]}" missing
+    bad_comma = b'{"conversations": [{"from": "human" "value": "x"}]}'
+    unterminated = b'{"conversations": [{"from": "human", "value": "a quest'
+    path = write_lines(tmp_path / "d.jsonl", [sharegpt(("human", "fine")), cut, bad_comma, unterminated])
+    _, bad = read(path, max_record_bytes=1 << 20)
+    by_line = {b.line: b.reason for b in bad}
+    assert by_line[2] == f"malformed JSON: Expecting ',' delimiter at column {len(cut) + 1} (the end of the line: " \
+        "the record is cut short)"
+    assert by_line[4] == "malformed JSON: Unterminated string starting at column 47"
+    assert by_line[3] == "malformed JSON: Expecting ',' delimiter at column 37"
+
