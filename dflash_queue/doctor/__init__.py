@@ -35,9 +35,7 @@ def writable_dirs(config: Config) -> dict[str, Path]:
     url = config.storage.url
     if "://" not in url or url.startswith("file://"):
         dirs["storage"] = Path(url.removeprefix("file://"))
-    staging = getattr(config.storage, "staging_dir", "")
-    if staging:
-        dirs["staging"] = Path(staging)
+    dirs["staging"] = config.staging_dir  # storage.uploader.staging_dir, or the state directory's staging/
     return dirs
 
 

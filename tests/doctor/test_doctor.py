@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from dflash_queue.doctor import memory_utilization, run_doctor
 from dflash_queue.doctor.disk import check_free_disk
@@ -65,3 +66,24 @@ def test_free_disk_thresholds(tmp_path):
     assert check_free_disk("state", missing, warn_below_gb=1e12, fail_below_gb=0).verdict == "warn"
     failed = check_free_disk("state", missing, warn_below_gb=1e12, fail_below_gb=1e12)
     assert failed.verdict == "fail" and "GB free" in failed.detail
+    said = check_free_disk("state", missing, warn_below_gb=0, fail_below_gb=0).detail
+    assert said.startswith(f"{missing}: missing (created at start); ") and said.endswith(f"GB free on {tmp_path}")
+
+
+def test_a_missing_directory_this_user_cannot_create_fails(tmp_path, monkeypatch):
+    from dflash_queue.doctor import disk
+
+    # As root every directory is writable: the user's rights are what os.access answers.
+    monkeypatch.setattr(disk.os, "access", lambda path, mode: Path(path) != tmp_path)
+    check = check_free_disk("staging", tmp_path / "staging", warn_below_gb=0, fail_below_gb=0)
+    assert check.verdict == "fail" and check.detail.endswith(f"on {tmp_path}, which this user cannot create it in")
+    assert check_free_disk("staging", tmp_path, warn_below_gb=0, fail_below_gb=0).verdict == "pass"  # it exists
+
+
+def test_doctor_reports_the_configured_staging_directory(make_config, tmp_path):
+    from dflash_queue.doctor import writable_dirs
+
+    config = make_config(storage={"uploader": {"staging_dir": str(tmp_path / "fast-disk" / "staging")}})
+    assert writable_dirs(config)["staging"] == tmp_path / "fast-disk" / "staging"
+    default = make_config("default.toml")
+    assert writable_dirs(default)["staging"] == Path(default.run.state_dir) / "staging"
