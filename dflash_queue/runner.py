@@ -21,6 +21,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.redis_server import RedisServer
+from dflash_queue.run_broker import forget_url, private_broker_dir, record_url
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 from dflash_queue.staging import EnqueueReport, checked_formatter
 
@@ -117,8 +118,11 @@ def run_single_box(
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         if not config.broker.url:
-            server = RedisServer(state_dir / "redis").start()
+            server = RedisServer(private_broker_dir(config)).start()
             stack.callback(server.stop)
+            # status, dead and verify find it there while the run is up (and its data after: run_broker.py)
+            record_url(server.directory, server.url)
+            stack.callback(forget_url, server.directory)
             config = config.with_overrides(broker={"url": server.url})
             console.print(f"started a private redis-server on {server.url} (AOF in {server.directory})")
             app = configure_app(config)

@@ -1,10 +1,12 @@
-"""Accounting for every sample of a dataset: done, flagged, dropped by the quality gate, filtered, or dead.
+"""Accounting for every sample of a dataset, by its id: done, flagged, dropped by the quality gate, filtered, or dead.
 
-The dataset is read the way the producer reads it (same de-duplication, thinking policy, length filter and
-sharding), so each staged sample has a known shard. Each shard's training file says which samples it holds and
-which the quality gate dropped (its header and offsets are read, and checked as every reader checks them); dead
-letters name the samples that failed. A sample found nowhere is missing; a sample found in two places is
-duplicated.
+The dataset is read the way the producer reads it (same de-duplication, thinking policy and length filter), so
+the samples to account for are those enqueue would stage from these files. What was enqueued is read from the
+prompt shards in storage (shard id -> sample ids), so the files may be given in another order, or a subset or a
+superset of those enqueued: a sample of a file never enqueued is reported as not enqueued. Every training shard
+says which samples it holds and which the quality gate dropped (its header and offsets are read, and checked as
+every reader checks them); dead letters name the samples that failed. A sample found nowhere is missing (with its
+shard's ledger state); a sample found in two places is duplicated.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dflash_queue.config import Config
 from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.ledger import Ledger
-from dflash_queue.shards.keys import SHARDS, shard_id_of, shard_key
-from dflash_queue.shards.prompts import prompt_shard_id
+from dflash_queue.shards.keys import PROMPTS, SHARDS, shard_id_of
+from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.staging import EnqueueReport, build_length_filter, iter_encoded
@@ -45,6 +47,7 @@ class VerifyReport:
     # sample id -> every place it was found.
     duplicated: dict[str, list[str]] = field(default_factory=dict)
     unreadable_shards: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -61,6 +64,7 @@ class VerifyReport:
             f"filtered before staging: {self.duplicates_in_dataset} exact duplicates, {self.too_long} too long, "
             f"{self.bad_records} bad records",
         ]
+        out += [f"note: {note}" for note in self.notes]
         for key, error in self.unreadable_shards.items():
             out.append(f"unreadable shard {key}: {error}")
         for sample_id, where in list(self.missing.items())[:LISTED]:
@@ -98,6 +102,17 @@ def shard_contents(storage: Storage, key: str) -> tuple[list[str], list[int], li
     return ids, flagged, dropped
 
 
+def enqueued_shards(storage: Storage) -> dict[str, list[str]]:
+    """shard id -> sample ids, from the prompt shards in storage: what was enqueued, whatever file list it came
+    from."""
+    shards = {}
+    for key in storage.list(PROMPTS + "/"):
+        if key.endswith(".jsonl"):
+            shard_id = shard_id_of(key)
+            shards[shard_id] = [s.id for s in decode_prompts(storage.read_bytes(key), what=key)]
+    return shards
+
+
 def verify(
     config: Config,
     datasets: Iterable[str | Path],
@@ -106,16 +121,25 @@ def verify(
     ledger: Ledger | None = None,
     dead_letters: DeadLetters | None = None,
 ) -> VerifyReport:
+    """Account for every sample of `datasets` by its id: the files may be any order or subset of those enqueued
+    (samples of files never enqueued are reported as not enqueued)."""
     report = VerifyReport()
     storage = storage or open_storage(config.storage)
     ledger = ledger or Ledger.from_url(config.broker.url, config.run.name)
     dead_letters = dead_letters or DeadLetters.from_url(config.broker.url, config.run.name)
     expected = expected_shards(config, datasets, report)
+    enqueued = enqueued_shards(storage)
+    shard_of = {sample_id: shard_id for shard_id, ids in enqueued.items() for sample_id in ids}
+    regrouped = len(expected.keys() - enqueued.keys())
+    if regrouped:
+        report.notes.append(
+            f"the files as given make {regrouped} of {len(expected)} shards that were never enqueued (another file "
+            "list or order than enqueue was given): samples are accounted for by id"
+        )
     found: dict[str, list[str]] = defaultdict(list)
+    flagged_ids: set[str] = set()
 
-    stored = {shard_id_of(k) for k in storage.list(SHARDS + "/") if k.endswith(".safetensors")}
-    for shard_id in sorted(stored & expected.keys()):
-        key = shard_key(shard_id)
+    for key in sorted(k for k in storage.list(SHARDS + "/") if k.endswith(".safetensors")):
         try:
             ids, flagged, dropped = shard_contents(storage, key)
         except Exception as exc:  # a corrupt or truncated shard is reported, the rest still checked
@@ -123,26 +147,34 @@ def verify(
             continue
         for sample_id in ids:
             found[sample_id].append(key)
+        flagged_ids.update(ids[row] for row in flagged)
         for sample_id in dropped:
             found[sample_id].append(f"{key} (dropped)")
-        report.done += len(ids)
-        report.flagged += len(flagged)
-        report.dropped += len(dropped)
 
     for record in dead_letters.all():
         sample_ids = record.sample_ids
         if not sample_ids and record.kind in (TASK, SAMPLE):
-            sample_ids = expected.get(record.shard_id, [])
+            sample_ids = enqueued.get(record.shard_id) or expected.get(record.shard_id, [])
         for sample_id in sample_ids:
             found[sample_id].append(f"dead letter {record.id}")
-            report.dead += 1
 
-    states = ledger.states(expected.keys())
-    for shard_id, sample_ids in expected.items():
-        for sample_id in sample_ids:
-            places = found.get(sample_id, [])
-            if not places:
-                report.missing[sample_id] = f"shard {shard_id} ({states.get(shard_id, 'not enqueued')})"
-            elif len(places) > 1:
-                report.duplicated[sample_id] = places
+    states = ledger.states(sorted(set(shard_of.values())))
+    for sample_id in (i for ids in expected.values() for i in ids):
+        places = found.get(sample_id, [])
+        if not places:
+            shard_id = shard_of.get(sample_id)
+            report.missing[sample_id] = (
+                f"shard {shard_id} ({states.get(shard_id, 'unknown')})" if shard_id else "not enqueued"
+            )
+            continue
+        if len(places) > 1:
+            report.duplicated[sample_id] = places
+        where = places[0]
+        if where.startswith("dead letter"):
+            report.dead += 1
+        elif where.endswith("(dropped)"):
+            report.dropped += 1
+        else:
+            report.done += 1
+            report.flagged += sample_id in flagged_ids
     return report

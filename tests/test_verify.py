@@ -102,3 +102,32 @@ def test_a_shard_is_read_through_the_strict_reader(tmp_path):
     save_file(values, str(path), metadata=metadata)
     with pytest.raises(ShardFormatError, match="offsets must run from 0 to 10 tokens"):
         shard_contents(storage, shard_key("s1"))
+
+
+def test_verify_accounts_by_sample_whatever_the_order_or_subset_of_the_files(make_config, redis_url, tmp_path):
+    config = make_config(dataset={"shard_size": 4, "thinking": "never"})
+    lines = SAMPLE_DATA.read_text().splitlines()
+    first, second, extra = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "c.jsonl"
+    first.write_text("\n".join(lines[:6]) + "\n")  # shards of 4 straddle the two files
+    second.write_text("\n".join(lines[6:12]) + "\n")
+    extra.write_text("\n".join(lines[12:15]) + "\n")
+    report = Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([first, second],
+                                                                                    send=lambda *args: None)
+    storage = open_storage(config.storage)
+    for shard_id in report.shard_ids:
+        store_shard(storage, shard_id, [s.id for s in decode_prompts(storage.read_bytes(prompts_key(shard_id)),
+                                                                     what=shard_id)])
+
+    def verify(*files: Path):
+        return CliRunner().invoke(main, ["verify", *map(str, files), "-c", config.source])
+
+    assert verify(first, second).exit_code == 0
+    reordered = verify(second, first)
+    assert reordered.exit_code == 0 and "done: 12" in reordered.output and "missing: 0" in reordered.output
+    assert "note: the files as given make 3 of 3 shards that were never enqueued" in reordered.output
+    subset = verify(second)
+    assert subset.exit_code == 0 and "staged samples: 6" in subset.output and "done: 6" in subset.output
+    extended = verify(first, second, extra)
+    assert extended.exit_code == 1 and "missing: 3" in extended.output
+    extra_ids = [line for line in extended.output.splitlines() if line.startswith("missing ")]
+    assert len(extra_ids) == 3 and all(line.endswith(": not enqueued") for line in extra_ids)

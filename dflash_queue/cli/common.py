@@ -29,3 +29,15 @@ def load(config_path: Path, *, storage_url: str | None = None) -> Config:
         return load_config(config_path, env=env)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def reading_broker(config: Config, what: str) -> Config:
+    """`config` with the broker `what` reads: its own, or that of the job `dflash-queue run` ran with an empty
+    broker.url (run_broker.py), kept up until the command ends; or exit saying what to set."""
+    from dflash_queue.run_broker import broker_for_reading
+
+    try:
+        return click.get_current_context().with_resource(broker_for_reading(config, what))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+

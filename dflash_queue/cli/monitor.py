@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from dflash_queue.cli.common import config_option, load
+from dflash_queue.cli.common import config_option, load, reading_broker
 
 VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -33,9 +33,7 @@ def status(config_path: Path, as_json: bool, watch: bool, interval: float, windo
     from dflash_queue.ops.status import collect_status
     from dflash_queue.ops.status_view import status_table
 
-    config = load(config_path)
-    if not config.broker.url:
-        raise click.ClickException(f"{config_path}: broker.url is empty; status reads the broker (or DFQ_BROKER_URL)")
+    config = reading_broker(load(config_path), "status")
 
     def snapshot():
         try:

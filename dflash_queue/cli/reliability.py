@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from dflash_queue.cli.common import config_option, load
+from dflash_queue.cli.common import config_option, load, reading_broker
 from dflash_queue.lanes.registry import LANES, UNKNOWN_LANE
 
 AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -42,9 +42,7 @@ def filter_options(command):
 def _open(config_path: Path):
     from dflash_queue.deadletters import DeadLetters
 
-    config = load(config_path)
-    if not config.broker.url:
-        raise click.ClickException(f"{config_path}: broker.url is empty; dead letters live on the broker")
+    config = reading_broker(load(config_path), "dead (dead letters live on the broker)")
     return config, DeadLetters.from_url(config.broker.url, config.run.name)
 
 
@@ -156,7 +154,7 @@ def verify(datasets: tuple[Path, ...], config_path: Path) -> None:
     """
     from dflash_queue.verify import verify as run_verify
 
-    config = load(config_path)
+    config = reading_broker(load(config_path), "verify (the ledger and dead letters live on the broker)")
     report = run_verify(config, list(datasets))
     for line in report.lines():
         click.echo(line)

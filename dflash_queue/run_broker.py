@@ -1,0 +1,68 @@
+"""The broker of a job that `dflash-queue run` ran with an empty `broker.url`: its private redis-server keeps its
+data (AOF) in the run's state directory (`<run.state_dir>/redis`), so that the commands that read the broker
+(`status`, `dead`, `verify`) answer for that job too: through the run's server while the run is up (it writes its
+URL beside the data), else through a redis-server started on that data for the command's duration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from dflash_queue.config import Config
+from dflash_queue.errors import ConfigError
+from dflash_queue.redis_server import RedisServer
+
+URL_FILE = "broker.url"
+
+
+def private_broker_dir(config: Config) -> Path:
+    return Path(config.run.state_dir) / "redis"
+
+
+def record_url(directory: Path, url: str) -> None:
+    """`run`: the URL of its private server, for the commands above while it runs."""
+    (directory / URL_FILE).write_text(url + "\n", encoding="utf-8")
+
+
+def forget_url(directory: Path) -> None:
+    (directory / URL_FILE).unlink(missing_ok=True)
+
+
+def _answering(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def _has_data(directory: Path) -> bool:
+    return (directory / "appendonlydir").is_dir() or (directory / "appendonly.aof").is_file()
+
+
+@contextmanager
+def broker_for_reading(config: Config, what: str) -> Iterator[Config]:
+    """`config` with a broker URL to read from: its own, else that of the job `run` ran (see the module
+    docstring). ConfigError when there is neither, saying what to set."""
+    if config.broker.url:
+        yield config
+        return
+    directory = private_broker_dir(config)
+    url_file = directory / URL_FILE
+    live = url_file.read_text(encoding="utf-8").strip() if url_file.is_file() else ""
+    if live and _answering(live):
+        yield config.with_overrides(broker={"url": live})
+        return
+    if not _has_data(directory):
+        raise ConfigError(
+            f"{config.source}: broker.url is empty and {directory} holds no data of a `dflash-queue run` job: {what} "
+            "reads the broker; set broker.url (or DFQ_BROKER_URL)"
+        )
+    server = RedisServer(directory).start()
+    try:
+        yield config.with_overrides(broker={"url": server.url})
+    finally:
+        server.stop()

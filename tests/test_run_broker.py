@@ -1,0 +1,59 @@
+"""The commands that read the broker (status, dead, verify) answer for a job `dflash-queue run` ran with an empty
+broker.url: through its private redis-server while it is up, through its data in the state directory after."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dflash_queue.cli import main
+from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
+from dflash_queue.redis_server import RedisServer
+from dflash_queue.run_broker import forget_url, private_broker_dir, record_url
+
+REPO = Path(__file__).resolve().parent
+DATASET = REPO.parent / "examples" / "sharegpt_sample.jsonl"
+
+
+def dead_letter(shard: str) -> DeadLetter:
+    return DeadLetter(record_id(TASK, "generate", shard), TASK, "generate", "dfq.generate", shard,
+                      exc_type="FileNotFoundError", message="gone")
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_after_the_run_its_broker_data_answers(make_config):
+    config = make_config(broker={"url": ""})
+    with RedisServer(private_broker_dir(config)) as server:  # as `run` starts it
+        DeadLetters.from_url(server.url, config.run.name).add(dead_letter("s1"))
+    listed = invoke("dead", "list", "--json", "-c", config.source)
+    assert listed.exit_code == 0, listed.output
+    assert [record["shard_id"] for record in json.loads(listed.stdout)] == ["s1"]
+    status = invoke("status", "--json", "-c", config.source)
+    assert status.exit_code == 0, status.output
+    verified = invoke("verify", str(DATASET), "-c", config.source)
+    assert "staged samples:" in verified.output and "Traceback" not in verified.output
+    assert verified.exit_code == 1  # nothing of this dataset was enqueued: every sample missing, said so
+
+
+def test_while_the_run_is_up_its_server_answers(make_config):
+    config = make_config(broker={"url": ""})
+    with RedisServer(private_broker_dir(config)) as server:
+        record_url(server.directory, server.url)
+        DeadLetters.from_url(server.url, config.run.name).add(dead_letter("live"))
+        listed = invoke("dead", "list", "--json", "-c", config.source)
+        forget_url(server.directory)
+    assert listed.exit_code == 0 and [r["shard_id"] for r in json.loads(listed.stdout)] == ["live"]
+
+
+def test_no_broker_and_no_run_data_is_said_without_a_traceback(make_config):
+    config = make_config(broker={"url": ""})
+    for command in (["status"], ["dead", "list"], ["verify", str(DATASET)]):
+        result = invoke(*command, "-c", config.source)
+        assert result.exit_code == 1 and "Traceback" not in result.output
+        assert "broker.url is empty and" in result.output and "holds no data of a `dflash-queue run` job" \
+            in result.output
