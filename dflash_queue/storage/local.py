@@ -18,6 +18,13 @@ from typing import BinaryIO
 
 from dflash_queue.errors import StorageError, StorageUnavailable
 
+
+def file_mode() -> int:
+    """0666 less this process's umask, as open() would create a file."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
 # errno values of a store that may come back: permissions changed under the job, a volume remounted read-only
 # or full (space or quota), an I/O error, a network file system's stale handle or lost server.
 TRANSIENT_ERRNOS = frozenset(
@@ -147,6 +154,9 @@ class LocalStorage:
                 raise storage_error(self.url, "write", key, exc) from exc
         try:
             with os.fdopen(fd, "wb") as handle:
+                # mkstemp creates 0600; a stored file gets the mode any file of this process would (a trainer
+                # running as another user reads it when the umask allows).
+                os.fchmod(handle.fileno(), file_mode())
                 yield handle
                 handle.flush()
                 os.fsync(handle.fileno())

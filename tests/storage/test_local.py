@@ -173,3 +173,21 @@ def test_delete_removes_the_folders_it_empties_and_no_others(tmp_path):
     storage.delete("a/never-written")  # deleting what is not there is no error
     storage.write_bytes("a/b/again", b"3")  # and the folders come back when written to
     assert storage.read_bytes("a/b/again") == b"3"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_stored_files_honour_the_umask(tmp_path, umask):
+    """A trainer running as another user reads the outputs when the umask allows (mkstemp alone gives 0600)."""
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        storage = LocalStorage(tmp_path / "root")
+        storage.write_bytes("shards/a.safetensors", b"x")
+        source = tmp_path / "src"
+        source.write_bytes(b"y")
+        storage.write_file("shards/b.safetensors", source)
+    finally:
+        os.umask(previous)
+    for key in ("shards/a.safetensors", "shards/b.safetensors"):
+        assert stat.S_IMODE((tmp_path / "root" / key).stat().st_mode) == 0o666 & ~umask
