@@ -10,6 +10,7 @@ from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
 from dflash_queue.ops.status import LaneStatus, RunStatus
+from dflash_queue.quality.gate import gate_summary
 
 
 def status_table(status: RunStatus) -> Group:
@@ -100,8 +101,7 @@ def _shown(s: LaneStatus, row: str) -> bool:
 def _quality(s: LaneStatus) -> str:
     if not s.quality:
         return "—"
-    details = ", ".join(f"{k.removeprefix('gate_')} {v:,}" for k, v in s.quality.items())
-    return f"{s.quality_dropped:,} dropped ({details})"
+    return "; ".join(gate_summary(s.quality))  # "28 kept, 2 flagged, 4 dropped, 0 retried; stub: 3 dropped; ..."
 
 
 def _canary(s: LaneStatus) -> str:

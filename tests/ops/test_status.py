@@ -145,7 +145,10 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     assert (gen.dead_letters, ext.dead_letters) == (2, 0)
 
     text = _render(status)
-    assert "4 dropped" in text and "6 min" in text
+    assert "6 min" in text
+    words = " ".join(text.split())
+    assert "28 kept, 2 flagged, 4 dropped, 0 retried; empty: 1 dropped; stub: 3 dropped; truncated: 2 flagged" in words
+    assert "gate_" not in text and "_drop" not in text and "_flag" not in text  # the gate's words, not counter names
     assert f"1 shard(s) marked done have no training file in {config.storage.url} (e.g. s3)" in " ".join(text.split())
     assert "truncated 5 · stopped 37" in text
     # Each lane's volume as the registry declares it: the generate column, then the extract column.
