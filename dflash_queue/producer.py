@@ -88,8 +88,10 @@ class Producer:
         on_shard: Callable[[int], None] | None = None,
         send: Callable[[str, int, str], None] | None = None,
         rebuild: bool = False,
+        on_total: Callable[[int], None] | None = None,
     ) -> EnqueueReport:
-        """Stage and enqueue every shard not done or queued. `on_shard(n_samples)` reports progress.
+        """Stage and enqueue every shard not done or queued. `on_shard(n_samples)` reports progress;
+        `on_total(n_samples)`, once every file is read, how many samples it will have reported in all.
 
         `rebuild`: ignore the ledger and enqueue every shard whose training file is not in storage.
         """
@@ -105,6 +107,8 @@ class Producer:
                 if pending is not None:
                     self._send_group(pending, report, send, on_shard)
                 pending = staged
+            if on_total:
+                on_total(report.staged)
             if pending is not None:
                 self._send_group(pending, report, send, on_shard)
         self.ledger.add(

@@ -48,6 +48,20 @@ def test_enqueue_stages_shards_and_sends_reference_only_messages(make_config, re
     assert set(ledger.states(report.shard_ids).values()) == {QUEUED}
 
 
+def test_the_progress_total_is_known_once_the_files_are_read_and_matches_the_progress(make_config, redis_url):
+    """enqueue's bar showed `68/?` to the end: the total is reported once the last file is read, before the last
+    shards are reported, and equals everything reported."""
+    config = make_config()
+    events: list[tuple[str, int]] = []
+    Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue(
+        [SAMPLE], send=lambda *args: None, on_shard=lambda n: events.append(("shard", n)),
+        on_total=lambda n: events.append(("total", n)),
+    )
+    totals = [n for kind, n in events if kind == "total"]
+    assert totals == [50] and sum(n for kind, n in events if kind == "shard") == 50
+    assert events[-1][0] == "shard"  # said while the last shards were still to come
+
+
 def test_rerun_skips_queued_and_done_shards(make_config, redis_url):
     config = make_config()
     configure_app(config)

@@ -49,7 +49,12 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
     with Progress(TextColumn("enqueue"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("samples", total=None)
         try:
-            report = producer.enqueue(list(datasets), on_shard=lambda n: bar.advance(task, n), rebuild=rebuild)
+            report = producer.enqueue(
+                list(datasets),
+                on_shard=lambda n: bar.advance(task, n),
+                on_total=lambda n: bar.update(task, total=n),  # known once the files are read
+                rebuild=rebuild,
+            )
         except ConfigError as exc:  # the run name or the storage was made with other settings: nothing sent
             raise click.ClickException(str(exc)) from None
     for line in report.lines():
