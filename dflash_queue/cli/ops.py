@@ -53,6 +53,9 @@ def _lane_group_options(command):
 @click.option("--systemd-version", type=int, default=None,
               help="Target systemd version [default: this machine's]; >= 254 adds RestartSteps back-off.")
 @click.option("--force-env", is_flag=True, help="Overwrite an existing environment file (it holds secrets).")
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Install under this directory (as DESTDIR): every path it creates is below it; the units name "
+              "the installed paths.")
 def systemd_install(
     config_path: Path,
     gpus: str | None,
@@ -63,6 +66,7 @@ def systemd_install(
     user: str,
     systemd_version: int | None,
     force_env: bool,
+    root: Path | None,
     **lane_groups: str | None,
 ) -> None:
     """Write the units and their environment file for CONFIG and this node's GPU layout.
@@ -97,7 +101,10 @@ def systemd_install(
         systemd_version=detect_systemd_version() if systemd_version is None else systemd_version,
     )
     try:
-        report = install_units(config, layout, settings, dest, node_gpus=node_gpus, force_env=force_env)
+        report = install_units(
+            config, layout, settings, dest, node_gpus=node_gpus, force_env=force_env,
+            root=root.resolve() if root else None,
+        )
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:

@@ -217,6 +217,7 @@ def env_file_text(config: Config, *, flower_password: str | None = None) -> str:
 
 @dataclass
 class InstallReport:
+    created: list[Path] = field(default_factory=list)  # directories that did not exist
     written: list[Path] = field(default_factory=list)
     env_file: Path | None = None
     env_file_kept: bool = False
@@ -224,7 +225,8 @@ class InstallReport:
     instances: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        out = [f"wrote {path}" for path in self.written]
+        out = [f"created directory {path}" for path in self.created]
+        out += [f"wrote {path}" for path in self.written]
         if self.env_file is not None:
             out.append(f"{'kept existing' if self.env_file_kept else 'wrote'} {self.env_file} (mode 0600)")
         out.extend(f"warning: {w}" for w in self.warnings)
@@ -241,23 +243,37 @@ def install_units(
     *,
     node_gpus: tuple[int, ...] | None = None,
     force_env: bool = False,
+    root: Path | None = None,
 ) -> InstallReport:
-    """Write the units into `dest` and the environment file (kept if it exists, unless `force_env`)."""
+    """Write the units into `dest` and the environment file (kept if it exists, unless `force_env`), and create
+    the units' working directory. With `root` (as DESTDIR for `make install`), every path is created under it
+    (the units still name the paths of the installed system), and nothing outside it is touched."""
     warnings = layout.check(node_gpus, vllm_tensor_parallel(config))
     report = InstallReport(warnings=warnings, instances=layout.instances())
-    dest.mkdir(parents=True, exist_ok=True)
+
+    def under_root(path: Path) -> Path:
+        path = path.absolute()
+        return root / path.relative_to(path.anchor) if root is not None else path
+
+    def make_dir(path: Path) -> None:
+        missing = [p for p in (path, *path.parents) if not p.exists()]
+        path.mkdir(parents=True, exist_ok=True)
+        report.created.extend(reversed(missing))
+
+    dest = under_root(dest)
+    make_dir(dest)
     # systemd refuses to start a unit whose WorkingDirectory does not exist.
-    Path(settings.working_directory or config.run.state_dir).mkdir(parents=True, exist_ok=True)
+    make_dir(under_root(Path(settings.working_directory or config.run.state_dir)))
     for name, text in render_units(config, layout, settings).items():
         path = dest / name
         path.write_text(text, encoding="utf-8")
         report.written.append(path)
-    env_file = settings.env_file
+    env_file = under_root(settings.env_file)
     report.env_file = env_file
     if env_file.exists() and not force_env:
         report.env_file_kept = True
     else:
-        env_file.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(env_file.parent)
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(env_file_text(config))

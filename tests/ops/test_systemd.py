@@ -245,3 +245,30 @@ def test_the_install_command_takes_one_gpu_group_option_per_lane(make_config, tm
     assert wants == ["dflash-generate@0-1.service dflash-extract@2.service dflash-extract@3.service"]
     bad = CliRunner().invoke(main, ["systemd", "install", "-c", config.source, "--extract", "x", "--dest", str(dest)])
     assert bad.exit_code == 2 and "--extract" in bad.output
+
+
+def test_install_under_a_root_touches_nothing_outside_it_and_prints_every_path(make_config, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash_queue.cli import main
+
+    state_dir = tmp_path / "system" / "var" / "lib" / "dflash-queue" / "job"  # where the config says, outside root
+    config = make_config(run={"name": "job", "state_dir": str(state_dir)})
+    root = tmp_path / "root"
+    result = CliRunner().invoke(main, [
+        "systemd", "install", "-c", config.source, "--generate", "0", "--extract", "1", "--no-flower",
+        "--root", str(root), "--systemd-version", "254",
+    ])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "system").exists()  # the config's state directory is not created outside the root
+    rooted_state = root / state_dir.relative_to("/")
+    assert rooted_state.is_dir() and f"created directory {rooted_state}" in result.output
+    units = root / "etc" / "systemd" / "system"
+    assert f"wrote {units / 'dflash.target'}" in result.output
+    assert f"wrote {root / 'etc' / 'dflash-queue' / 'dflash.env'} (mode 0600)" in result.output
+    created = {Path(line.removeprefix("created directory ")) for line in result.output.splitlines()
+               if line.startswith("created directory ")}
+    assert all(path.is_relative_to(root) for path in created) and units in created
+    unit = (units / "dflash-generate@.service").read_text()
+    assert directive(unit, "WorkingDirectory") == [str(state_dir)]  # the installed system's paths
+    assert directive(unit, "EnvironmentFile") == ["/etc/dflash-queue/dflash.env"]
