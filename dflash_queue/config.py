@@ -181,8 +181,11 @@ def _model_max_positions(model_path: str) -> int:
     return value
 
 
-def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = None) -> Config:
-    """Load and validate a deployment config; relative paths resolve against the file's directory."""
+def load_config(
+    path: str | os.PathLike[str], *, env: dict[str, str] | None = None, model: Mapping[str, str] | None = None
+) -> Config:
+    """Load and validate a deployment config; relative paths resolve against the file's directory. `model`
+    replaces keys of its [model] table (paths as given on a command line: relative to the working directory)."""
     path = Path(path)
     environ: Mapping[str, str] = os.environ if env is None else env
     try:
@@ -197,6 +200,9 @@ def load_config(path: str | os.PathLike[str], *, env: dict[str, str] | None = No
     if environ.get(STORAGE_URL_ENV):
         raw.setdefault("storage", {})["url"] = environ[STORAGE_URL_ENV]
     _resolve_paths(raw, base=path.resolve().parent)
+    for key, value in (model or {}).items():
+        raw.setdefault("model", {})[key] = str(Path(value).expanduser().resolve()) if key in ("path", "tokenizer") \
+            else value
     return _validate(raw, str(path), check_paths=True)
 
 

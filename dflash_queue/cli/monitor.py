@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from dflash_queue.cli.common import config_option, load, reading_broker
+from dflash_queue.cli.common import architecture_options, config_option, load, model_overrides, reading_broker
 
 VERDICT_STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -69,11 +69,19 @@ def status(config_path: Path, as_json: bool, watch: bool, interval: float, windo
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 @click.option("--warn-below-gb", type=float, default=20.0, show_default=True, help="Warn below this much free disk.")
 @click.option("--fail-below-gb", type=float, default=1.0, show_default=True, help="Fail below this much free disk.")
-def doctor(config_path: Path, as_json: bool, warn_below_gb: float, fail_below_gb: float) -> None:
+@architecture_options
+def doctor(
+    config_path: Path,
+    as_json: bool,
+    warn_below_gb: float,
+    fail_below_gb: float,
+    model_config: Path | None,
+    tokenizer_dir: Path | None,
+) -> None:
     """Preflight checks of this node for CONFIG, one per line; exits 1 if any fails."""
     from dflash_queue.doctor import run_doctor
 
-    config = load(config_path)
+    config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
     checks = run_doctor(config, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb)
     failed = sum(c.verdict == "fail" for c in checks)
     if as_json:

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from dflash_queue.cli.common import config_option, load
+from dflash_queue.cli.common import architecture_options, config_option, load, model_overrides
 from dflash_queue.lanes.registry import EXTRACT, GENERATE, LANES
 
 
@@ -40,6 +40,7 @@ from dflash_queue.lanes.registry import EXTRACT, GENERATE, LANES
 @click.option("--measured", is_flag=True,
               help="Use the output length and throughputs a run under this config measured (ledger counters).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@architecture_options
 def plan(
     datasets: tuple[Path, ...],
     config_path: Path,
@@ -55,6 +56,8 @@ def plan(
     plain_tokens: int | None,
     measured: bool,
     as_json: bool,
+    model_config: Path | None,
+    tokenizer_dir: Path | None,
 ) -> None:
     """Count DATASETS' prompts and prompt tokens, estimate output tokens, and print time and storage.
 
@@ -80,7 +83,7 @@ def plan(
     )
     from dflash_queue.ops.shard_sizing import size_shards
 
-    config = load(config_path)
+    config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
     tensor_parallel = vllm_tensor_parallel(config)
     per_worker = {lane: gpus_per_worker or tensor_parallel.get(lane, 1) for lane in LANES}
     gpus = gpus or max(per_worker.values())

@@ -318,3 +318,33 @@ def test_an_extract_worker_on_vllm_holds_a_sequence_per_computing_task(make_conf
     assert sizing.computing_tasks == 3 and sizing.task_slots == 3 + config.storage.uploader.max_pending
     # Per task: 2,000 tokens x 5 layers x 5,120 values, read and waiting (2 x 2 bytes), converted (2), canary (2).
     assert sizing.task_host_bytes == 3 * 2000 * 5 * 5120 * (2 * 2 + 2 + 2)
+
+
+@pytest.mark.parametrize(
+    ("shipped", "target"),
+    [
+        ("qwen3.6-27b-h200.toml", "qwen3.6-27b-class"),
+        pytest.param("qwen3-235b-a22b-h200-tp8.toml", "qwen3-235b-a22b-class", marks=pytest.mark.vllm),
+    ],
+)
+def test_the_shipped_gpu_configs_pass_their_own_plan_and_doctor_given_the_architecture(
+    shipped, target, tiny_model, redis_url, tmp_path
+):
+    """Without the weights on this machine: --model-config gives the target's architecture (its config.json),
+    --tokenizer a tokenizer for the prompts; the shipped config plans without a warning."""
+    from click.testing import CliRunner
+
+    from dflash_queue.cli import main
+
+    given = ["-c", str(REPO / "worker_configs" / shipped), "--model-config", str(REPO / "examples" / target),
+             "--tokenizer", str(tiny_model)]
+    env = {"COLUMNS": "300", "DFQ_BROKER_URL": redis_url, "DFQ_STORAGE_URL": str(tmp_path / "storage")}
+    planned = CliRunner(env=env).invoke(main, ["plan", str(SAMPLE), *given, "--gpus", "8"])
+    assert planned.exit_code == 0, planned.output
+    assert "warning" not in planned.output and "shards" in planned.output
+    doctor = CliRunner(env=env).invoke(main, ["doctor", "--json", *given])
+    checks = {check["name"]: check for check in json.loads(doctor.stdout)}
+    assert checks["model"]["verdict"] == "pass" and str(REPO / "examples" / target) in checks["model"]["detail"]
+    assert checks["architecture"]["verdict"] == "pass" and checks["tokenizer"]["verdict"] == "pass"
+    without = CliRunner(env=env).invoke(main, ["plan", str(SAMPLE), "-c", str(REPO / "worker_configs" / shipped)])
+    assert without.exit_code == 1 and "model.path: no such path" in without.output
