@@ -1,13 +1,14 @@
 """Audit of an input dataset: what is in it, and whether its existing responses look like placeholders.
 
-A response (any assistant turn) is a placeholder when its answer (the text after a `</think>`, if any) is
-empty, is a stock filler ("OK.", "Sure.", "N/A", "TODO", "..."), or is shorter than `min_answer_tokens` tokens
-(words when no tokenizer is given). The gate: the placeholder share must not exceed `max_stub_fraction`.
+A response (any assistant turn) is a placeholder when its answer (the text after a `</think>`, if any) holds no
+answer: nothing, or stock filler only ("OK.", "Sure.", "N/A", "TODO", "..."): the quality gate's own definition
+(quality/placeholders.py). A real answer shorter than `min_answer_tokens` tokens (words when no tokenizer is
+given; "4.", "Paris.") is counted as short, reported and never gated. The gate: the placeholder share must not
+exceed `max_stub_fraction`.
 """
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -22,10 +23,9 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.data.schemas import RecordError
 from dflash_queue.data.selection import to_sample
 from dflash_queue.data.thinking import apply_thinking_policy, decide_thinking
-from dflash_queue.quality.placeholders import FILLER
+from dflash_queue.quality.placeholders import is_placeholder
 
-# A dataset's existing reply of a bare yes / no / none is counted as filler too (the gate does not count it).
-PLACEHOLDER = re.compile(rf"^\W*({FILLER}|yes|no|none)\W*$", re.IGNORECASE | re.DOTALL)
+THINK_END = "</think>"
 BATCH = 2048
 
 
@@ -156,6 +156,7 @@ class _Responses:
         self.pending: list[str] = []
         self.lengths: list[int] = []
         self.placeholders = 0
+        self.short = 0
         self.examples: Counter[str] = Counter()
 
     def add(self, text: str) -> None:
@@ -171,9 +172,11 @@ class _Responses:
             lengths = [len(t.split()) for t in texts]
         for text, length in zip(texts, lengths):
             self.lengths.append(length)
-            if not text.strip() or length < self.settings.min_answer_tokens or PLACEHOLDER.match(text):
+            if is_placeholder(text.rsplit(THINK_END, 1)[-1]):
                 self.placeholders += 1
                 self.examples[text.strip()[:60]] += 1
+            elif length < self.settings.min_answer_tokens:
+                self.short += 1
 
     def summary(self) -> dict[str, Any]:
         self._flush()
@@ -181,6 +184,8 @@ class _Responses:
             "count": len(self.lengths),
             "placeholders": self.placeholders,
             "placeholder_share": share(self.placeholders, len(self.lengths)),
+            "short": self.short,
+            "short_share": share(self.short, len(self.lengths)),
             "length_unit": "tokens" if self.settings.formatter is not None else "words",
             "min_answer_tokens": self.settings.min_answer_tokens,
             "length": describe(self.lengths),
@@ -217,8 +222,11 @@ def dataset_lines(report: dict[str, Any]) -> Iterator[str]:
     )
     yield (
         f"  placeholder responses: {responses['placeholders']} of {responses['count']} "
-        f"({responses['placeholder_share']:.1%}; empty, stock filler or < {responses['min_answer_tokens']} "
-        f"{responses['length_unit']})"
+        f"({responses['placeholder_share']:.1%}; empty or stock filler, as the quality gate's stub check)"
+    )
+    yield (
+        f"  short responses: {responses['short']} ({responses['short_share']:.1%}; real answers under "
+        f"{responses['min_answer_tokens']} {responses['length_unit']}: reported, not gated)"
     )
     for text, count in responses["most_common_placeholders"][:5]:
         yield f"    {count} x {text!r}"

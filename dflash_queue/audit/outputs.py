@@ -1,9 +1,11 @@
 """Audit of produced completions and training shards: what training will see.
 
 Per sample: tokens, generated tokens (the loss-mask sum), answer tokens (from the quality gate's verdict),
-truncation, thinking state, gate flags. A sample is a stub when its answer has fewer than
-`min_answer_tokens` tokens (empty answers and thinking that never closed included). The gate: the stub share
-must not exceed `max_stub_fraction`; with both completions and shards at hand, it is judged on the shards.
+truncation, thinking state, gate flags. A sample is a stub when the quality gate found its answer empty or stock
+filler (its `stub` or `empty` check: quality/placeholders.py, the one definition); a real answer shorter than
+`min_answer_tokens` tokens is counted as short, reported and never gated. The gate: the stub share must not
+exceed `max_stub_fraction`; with both completions and shards at hand, it is judged on the shards. Samples
+without a verdict (written before the gate existed) are never stubs.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def shard_rows(shard: TrainingShard) -> Iterator[SampleRow]:
 def summarize_rows(rows: Iterable[SampleRow], *, min_answer_tokens: int, dropped: int = 0) -> dict[str, Any]:
     rows = list(rows)
     total = len(rows)
-    stubs = sum(1 for r in rows if _is_stub(r, min_answer_tokens))
+    stubs = sum(1 for r in rows if _is_stub(r))
+    short = sum(1 for r in rows if not _is_stub(r) and _answer(r) < min_answer_tokens)
     flags = Counter(flag for r in rows for flag in r.flags)
     decisions = Counter(r.decision for r in rows)
     thinking = Counter(r.thinking for r in rows)
@@ -81,6 +84,8 @@ def summarize_rows(rows: Iterable[SampleRow], *, min_answer_tokens: int, dropped
         "flagged_share": share(sum(1 for r in rows if r.flags), total),
         "stubs": stubs,
         "stub_share": share(stubs, total),
+        "short": short,
+        "short_share": share(short, total),
         "truncated_share": share(sum(r.truncated for r in rows), total),
         "closed_thinking_share": share(thinking.get("closed", 0), total),
         "thinking": dict(thinking),
@@ -92,9 +97,15 @@ def summarize_rows(rows: Iterable[SampleRow], *, min_answer_tokens: int, dropped
     }
 
 
-def _is_stub(row: SampleRow, min_answer_tokens: int) -> bool:
-    answer = row.answer_tokens if row.answer_tokens is not None else row.generated
-    return answer < min_answer_tokens
+STUB_CHECKS = ("stub", "empty")
+
+
+def _is_stub(row: SampleRow) -> bool:
+    return any(check in row.flags for check in STUB_CHECKS)
+
+
+def _answer(row: SampleRow) -> int:
+    return row.answer_tokens if row.answer_tokens is not None else row.generated
 
 
 def output_lines(name: str, summary: dict[str, Any]) -> Iterator[str]:
@@ -109,9 +120,10 @@ def output_lines(name: str, summary: dict[str, Any]) -> Iterator[str]:
     yield f"  loss_mask sum per sample: {brief(summary['loss_mask_sum'])}"
     if summary["answer_tokens"].get("count"):
         yield f"  answer tokens per sample: {brief(summary['answer_tokens'])}"
+    yield f"  stubs (the gate's stub or empty check): {summary['stubs']} ({summary['stub_share']:.1%})"
     yield (
-        f"  stubs (< {summary['min_answer_tokens']} answer tokens): {summary['stubs']} "
-        f"({summary['stub_share']:.1%})"
+        f"  short (< {summary['min_answer_tokens']} answer tokens, reported, not gated): {summary['short']} "
+        f"({summary['short_share']:.1%})"
     )
     yield f"  truncated: {summary['truncated_share']:.1%}; closed thinking block: {summary['closed_thinking_share']:.1%}"
     yield f"  thinking states: {', '.join(f'{k} {v}' for k, v in sorted(summary['thinking'].items())) or 'none'}"

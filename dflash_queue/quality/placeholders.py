@@ -1,7 +1,8 @@
 """Answers that hold no answer: the stock filler that ruined datasets ("OK.", "Sure.", "N/A", "TODO", "...").
 
-A short answer is not a placeholder: "Paris." or a one-word label can be exactly right, so "yes", "no" and
-"none" are not filler here (the dataset audit, which looks at a dataset's existing replies, counts them too).
+A short answer is not a placeholder: "Paris.", "4." or a one-word label can be exactly right, so "yes", "no" and
+"none" are not filler. The one definition: the quality gate's stub check and `audit` (a dataset's existing
+replies and the produced outputs) both use it.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dflash_queue.storage import open_storage
 from dfq_testing.jobs import stage_samples
 
 REPO = Path(__file__).resolve().parents[2]
-PLACEHOLDERS = ["OK.", "Sure.", "ok", "Got it.", "N/A", "Yes.", "Done."]
+PLACEHOLDERS = ["OK.", "Sure.", "ok", "Got it.", "N/A", "...", "Done."]
 TOPICS = ["tides", "volcanoes", "bread", "bridges", "comets", "honey", "glaciers", "violins", "maps", "owls"]
 
 
@@ -99,6 +99,20 @@ def test_conversations_the_chat_template_refuses_are_bad_records(tmp_path, make_
     assert part["prompt_tokens"]["count"] == 19
 
 
+def test_short_real_answers_are_reported_as_short_never_as_placeholders(tmp_path):
+    """"4." and "Paris." are answers: short, counted as such, and the dataset passes; "OK." is filler."""
+    rows = dataset_rows(20, 0.0)
+    for index, reply in enumerate(["4.", "8.", "Paris.", "Yes."]):
+        rows[index]["conversations"][1]["value"] = reply
+    rows[4]["conversations"][1]["value"] = "OK."
+    path = tmp_path / "short.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = audit(str(path))
+    assert result.returncode == 0, result.stdout
+    assert "placeholder responses: 1 of 20 (5.0%" in result.stdout
+    assert "short responses: 4 (20.0%; real answers under 8 words: reported, not gated)" in result.stdout
+
+
 def test_a_small_share_passes_and_the_threshold_is_honoured(tmp_path):
     path = tmp_path / "mostly.json"
     path.write_text(json.dumps(dataset_rows(200, 0.03)))
@@ -147,13 +161,14 @@ def test_outputs_audit_reads_loss_masks_and_verdicts(produced, tmp_path):
     assert completions["samples"] == 16 and shards["samples"] == len(kept) == len(sums)
     assert shards["dropped_by_gate"] == completions["dropped_by_gate"] == 16 - len(kept)
     assert shards["loss_mask_sum"]["max"] == max(sums) <= 6 and shards["loss_mask_sum"]["count"] == len(kept)
-    # Six tokens cannot make an eight-token answer: every kept sample is below the audit's threshold, and the gate
-    # flagged each as either a placeholder (stub) or a short answer.
-    assert shards["stub_share"] == 1.0
+    # Six tokens cannot make an eight-token answer: the gate flagged each kept sample as either a placeholder
+    # (stub) or a short answer, and the audit counts them the same way: stubs are the gate's, short the rest.
+    stubs = sum(1 for r in kept if {"stub", "empty"} & set(r.quality.flags))
+    assert shards["stubs"] == stubs and shards["short"] == len(kept) - stubs
     assert shards["flags"].get("stub", 0) + shards["flags"].get("short", 0) == len(kept)
     assert shards["truncated_share"] == pytest.approx(sum(r.finish_reason == "length" for r in kept) / len(kept))
     assert shards["closed_thinking_share"] == 0.0 and set(shards["thinking"]) == {"off"}
-    assert result.returncode == 1 and not report["passed"]
+    assert result.returncode == (1 if stubs / len(kept) > 0.05 else 0) and report["passed"] == (result.returncode == 0)
     assert (tmp_path / "out.png").stat().st_size > 10_000
 
     text = audit(str(Path(storage.url) / "shards"), "--min-answer-tokens", "1", "--max-stub-fraction", "1").stdout
