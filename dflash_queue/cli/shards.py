@@ -241,7 +241,8 @@ def _print_report(report: Any, preview: dict[str, Any] | None, count: int) -> No
     if preview is not None:
         console.print(
             f"sample {preview['sample']}: id {preview['id']}, {preview['tokens']} tokens, "
-            f"finish_reason {preview['finish_reason']}, thinking {preview['thinking']}, "
+            f"finish_reason {preview['finish_reason']}, thinking requested {preview['thinking_requested']} "
+            f"(in the reply: {preview['thinking']}), "
             f"flags {preview['quality_flags'] or 'none'}"
         )
         console.print(f"first {count} ids: {preview['first_ids']}")

@@ -122,7 +122,10 @@ def sample_preview(storage: Storage, key: str, index: ShardIndex, sample: int) -
         "id": meta.id,
         "tokens": meta.num_tokens,
         "finish_reason": meta.finish_reason,
-        "thinking": meta.thinking,
+        # Whether the prompt asked for thinking, and what the reply did (the gate's verdict: closed, off, unclosed,
+        # none), which `audit` counts.
+        "thinking_requested": meta.thinking,
+        "thinking": str(index.verdicts[sample].get("thinking", "none")),
         "quality_flags": list(meta.quality_flags),
         "input_ids": ids.tolist(),
         "completion_start": int(completion[0]) if completion.numel() else None,

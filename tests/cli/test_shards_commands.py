@@ -29,6 +29,9 @@ def test_inspect_decodes_the_first_tokens_with_the_tokenizer(pipeline_shards, ti
     preview = report["preview"]
     first = sample.input_ids[:32].tolist()
     assert preview["id"] == sample.id and preview["first_ids"] == first
+    # The reply's thinking state as the gate found it (what audit counts), beside what the prompt asked for.
+    shard = TrainingShard(path)
+    assert (preview["thinking_requested"], preview["thinking"]) == (shard.thinking[1], shard.quality[1]["thinking"])
     assert preview["first_text"] == tokenizer.decode(first, skip_special_tokens=False)
     assert preview["first_text"].startswith("<|im_start|>")
     start = int(torch.nonzero(sample.loss_mask)[0])
@@ -41,6 +44,7 @@ def test_inspect_decodes_the_first_tokens_with_the_tokenizer(pipeline_shards, ti
     assert text.exit_code == 0, text.output
     assert "first tokens: '<|im_start|>" in text.output and "fp8_e4m3" in text.output
     assert "completion starts at token" in text.output
+    assert f"thinking requested {shard.thinking[0]} (in the reply: {shard.quality[0]['thinking']})" in text.output
 
 
 def test_inspect_fails_on_a_damaged_shard(pipeline_shards, tmp_path):
