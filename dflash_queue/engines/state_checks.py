@@ -38,10 +38,10 @@ TOLERANCE_FLOORS = {
 }
 # Above this difference (whole sample) between a sequence first in its pass and alone, the pass computes something
 # else, not the same thing with other rounding (an ignored window reaches every sequence past it, the first one
-# too): the mode is not exact and no tolerance is calibrated from it. Above the noise measured for each dtype (a
-# hybrid's linear attention batched in bfloat16 on vLLM's CPU build: 2.2e-2), below what a wrong computation
-# gives (0.3-1).
-NOISE_CEILINGS = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+# too): the mode is not exact and no tolerance is calibrated from it. Above the noise measured for each dtype (vLLM's
+# CPU build batching Qwen3-Next in bfloat16, linear attention and MoE routing: 2.2e-2 to 5.7e-2 between runs, each
+# run within ~3e-2 of the float32 truth), below what a wrong computation gives (0.3-1).
+NOISE_CEILINGS = {torch.float32: 1e-3, torch.float64: 1e-6, torch.bfloat16: 0.15, torch.float16: 0.1}
 # Below this many samples the shard has no meaningful median to compare a sample with.
 MIN_SAMPLES_FOR_RMS_CHECK = 4
 
