@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,15 @@ def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     assert "3 were already done" in rerun.stdout
     assert "tokens generated:  0 " in rerun.stdout
+
+    # After the run, the commands that read the broker answer from its private broker's data (no broker.url).
+    assert not (aof / "broker.url").exists()  # the run's URL is forgotten when its server stops
+    verified = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "verify", str(dataset), "-c", str(config_path)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "DFQ_STORAGE_URL": str(out)},
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr[-3000:]
+    assert "missing: 0" in verified.stdout and "duplicated: 0" in verified.stdout
 
     # The same run name with another model and another output: refused, saying why, never reported done.
     import shutil
