@@ -4,6 +4,8 @@ broker.url: through its private redis-server while it is up, through its data in
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -33,8 +35,12 @@ def test_after_the_run_its_broker_data_answers(make_config):
     listed = invoke("dead", "list", "--json", "-c", config.source)
     assert listed.exit_code == 0, listed.output
     assert [record["shard_id"] for record in json.loads(listed.stdout)] == ["s1"]
-    status = invoke("status", "--json", "-c", config.source)
-    assert status.exit_code == 0, status.output
+    # In a process of its own, as an operator runs it: its control broadcast leaves Celery connections (subscribed
+    # to the reply channel) in the process, which a later fork (a DataLoader's workers) would inherit.
+    status = subprocess.run([sys.executable, "-m", "dflash_queue", "status", "--json", "-c", str(config.source)],
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert set(json.loads(status.stdout)["lanes"]) == {"generate", "extract"}
     verified = invoke("verify", str(DATASET), "-c", config.source)
     assert "staged samples:" in verified.output and "Traceback" not in verified.output
     assert verified.exit_code == 1  # nothing of this dataset was enqueued: every sample missing, said so

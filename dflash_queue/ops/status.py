@@ -124,10 +124,18 @@ class WorkerView:
 
 
 def ask_workers(app, timeout: float) -> WorkerView:
-    inspect = app.control.inspect(timeout=timeout)
-    queues = inspect.active_queues() or {}
-    nodes = list(queues)
-    active = (app.control.inspect(timeout=timeout, destination=nodes).active() or {}) if nodes else {}
+    # The replies are read on a connection of its own, closed after: from the app's pool, a connection stays
+    # behind with a channel in the middle of a blocking read of the reply queue, and a process forked later (a
+    # DataLoader's workers) hangs in kombu's after-fork cleanup, closing that channel on the inherited socket.
+    with app.connection_for_read() as connection:
+        inspect = app.control.inspect(timeout=timeout, connection=connection)
+        queues = inspect.active_queues() or {}
+        nodes = list(queues)
+        active = (
+            (app.control.inspect(timeout=timeout, destination=nodes, connection=connection).active() or {})
+            if nodes
+            else {}
+        )
     return WorkerView(
         queues={node: [q["name"] for q in qs or []] for node, qs in queues.items()},
         running={node: len(tasks or []) for node, tasks in active.items()},
