@@ -80,6 +80,15 @@ class NonFiniteHiddenStates(SampleDependentError):
     after checking every sequence's states and handing over the finite ones: the lane isolates the named samples
     (each costs a dead letter of its own) and stores the rest of the shard."""
 
+    @classmethod
+    def among(cls, sample_ids: list[str], total: int) -> "NonFiniteHiddenStates":
+        """The error naming `sample_ids`, found among `total` samples (the first ten in the message)."""
+        listed = ", ".join(sample_ids[:10]) + (" ..." if len(sample_ids) > 10 else "")
+        return cls(
+            f"{len(sample_ids)} of {total} samples have NaN or infinite hidden states: {listed}",
+            sample_ids=tuple(sample_ids),
+        )
+
 
 class NonFiniteRowRefused(ShardFormatError):
     """The shard writer was handed NaN or infinite states for one row. An engine checks its states before handing

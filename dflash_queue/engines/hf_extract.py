@@ -240,11 +240,7 @@ class HiddenStateExtractor:
         while in_flight:
             self._hand_over(in_flight.pop(0), requests, hand_over, nonfinite)
         if nonfinite:
-            raise NonFiniteHiddenStates(
-                f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
-                + ", ".join(nonfinite[:10]) + (" ..." if len(nonfinite) > 10 else ""),
-                sample_ids=tuple(nonfinite),
-            )
+            raise NonFiniteHiddenStates.among(nonfinite, len(requests))
         return [] if deliver else out  # type: ignore[return-value]
 
     @torch.inference_mode()
@@ -282,8 +278,7 @@ class HiddenStateExtractor:
         run = self._run(list(range(len(requests))), requests, faults=faults)
         self._hand_over(run, requests, captured.__setitem__, nonfinite)
         if nonfinite:
-            raise NonFiniteHiddenStates(f"NaN or infinite hidden states: {', '.join(nonfinite)}",
-                                        sample_ids=tuple(nonfinite))
+            raise NonFiniteHiddenStates.among(nonfinite, len(requests))
         return [captured[i] for i in range(len(requests))]
 
     def coverage_length(self) -> int:

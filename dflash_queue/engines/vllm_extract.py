@@ -382,11 +382,7 @@ class VllmStateExtractor:
             self._remove_files(capture)
             raise
         if nonfinite:
-            raise NonFiniteHiddenStates(
-                f"{len(nonfinite)} of {len(requests)} samples have NaN or infinite hidden states: "
-                + ", ".join(nonfinite[:10]) + (" ..." if len(nonfinite) > 10 else ""),
-                sample_ids=tuple(nonfinite),
-            )
+            raise NonFiniteHiddenStates.among(nonfinite, len(requests))
         return [] if deliver else out  # type: ignore[return-value]
 
     def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
@@ -539,7 +535,7 @@ class VllmStateExtractor:
         batched = self.capture(probes)
         differences = [compare_states(c.states, self.reference_states(p)) for p, c in zip(probes, batched)]
         measured = calibrate(self.dtype, differences)
-        noise = max(d.worst for d in differences)
+        noise = measured.noise_whole
         if measured.beyond_rounding(self.dtype):
             raise UnsupportedArchitecture(
                 f"vLLM extract engine: probe sequences of {'/'.join(map(str, lengths))} tokens batched differ from "
@@ -550,7 +546,7 @@ class VllmStateExtractor:
         log.info(
             "vLLM extract engine: probe sequences of %s tokens batched vs alone differ by %.2e relative (first "
             "tokens %.2e, %s); canary tolerance %.2e whole sample, %.2e first tokens%s (%.1f s)",
-            "/".join(map(str, lengths)), noise, max(d.worst_head for d in differences),
+            "/".join(map(str, lengths)), noise, measured.noise_head,
             str(self.dtype).removeprefix("torch."), tolerance.whole, tolerance.head,
             " (extract.canary_tolerance)" if self.configured_tolerance else "", time.perf_counter() - started,
         )
