@@ -96,14 +96,7 @@ def run_canary(
     checked: list[tuple[str, StateDifference, int]] = []
     for index, states, position in chosen:
         request = requests[index]
-        difference = check_canary(
-            request.sample_id,
-            states.to(engine.device),  # compared on the device: the states of a long sample are large for the host
-            engine.reference_states(request, on_device=True),
-            layer_names,
-            tolerance,
-        )
-        checked.append((request.sample_id, difference, position))
+        checked.append((request.sample_id, _check_alone(engine, request, states, layer_names, tolerance), position))
     window = None
     if engine.coverage_length() and window_canary_due(shard_id, window_every):
         window = _window_canary(engine, shard_id, [requests[i] for i in ok], layer_names, tolerance)
@@ -124,6 +117,19 @@ def run_canary(
     if window is not None:
         record["window"] = window
     return CanaryOutcome(record, len(checked), max(per_layer), not followers, window is not None)
+
+
+def _check_alone(
+    engine: ExtractEngine,
+    request: ExtractionRequest,
+    states: torch.Tensor,
+    layer_names: Sequence[str],
+    tolerance: CanaryTolerance,
+) -> StateDifference:
+    """`states` against the request run alone (raises CanaryMismatch above the tolerance), compared on the device:
+    the states of a long sample are large for the host."""
+    alone = engine.reference_states(request, on_device=True)
+    return check_canary(request.sample_id, states.to(engine.device), alone, layer_names, tolerance)
 
 
 def _window_canary(
@@ -151,13 +157,7 @@ def _window_canary(
     together = [before, target] if len(before.input_ids) + len(ids) <= engine.pass_tokens else [target]
     results = engine.run_together(together, faults=faults.extract_faults() or None)
     position = len(together) - 1
-    difference = check_canary(
-        target.sample_id,
-        results[position].states.to(engine.device),
-        engine.reference_states(target, on_device=True),
-        layer_names,
-        tolerance,
-    )
+    difference = _check_alone(engine, target, results[position].states, layer_names, tolerance)
     return {
         "sample": target.sample_id,
         "tokens": len(ids),
