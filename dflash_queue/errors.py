@@ -58,6 +58,10 @@ class WorkerShuttingDown(DflashQueueError):
     """The worker is stopping before this task started its work: the task goes back to the queue."""
 
 
+class WindowFull(DflashQueueError):
+    """The window of unconsumed training shards stayed full while the task waited: it goes back to the queue."""
+
+
 class SampleDependentError(DflashQueueError):
     """A batch failed in a way that depends on which samples it holds (an out-of-memory on one long sample at
     the smallest token budget, non-finite hidden states, a tokenizer crash). The lane splits the batch and runs

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_queue.config import Config
+from dflash_queue.consumption import Consumption
 from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
@@ -111,6 +112,8 @@ class Producer:
                 on_total(report.staged)
             if pending is not None:
                 self._send_group(pending, report, send, on_shard)
+        # Every shard of the dataset is now known: a live dataset can split epoch 0 among its ranks.
+        Consumption(self.ledger.client, self.config.run.name).seal_epoch(0, report.shard_samples)
         self.ledger.add(
             {
                 "enqueued_samples": report.staged,
@@ -159,6 +162,7 @@ class Producer:
         for shard_id, shard in zip(shard_ids, group):
             report.shards += 1
             report.shard_ids.append(shard_id)
+            report.shard_samples[shard_id] = len(shard)
             state = states.get(shard_id)
             # Done only when its training file is in storage, whatever the ledger says.
             in_progress = state in IN_PROGRESS_OR_DONE and state != DONE

@@ -49,6 +49,8 @@ class EnqueueReport:
     # Rebuild only: the run name had been made with another config and was started over (what differed).
     restarted: list[str] = field(default_factory=list)
     shard_ids: list[str] = field(default_factory=list)
+    # Samples per shard, of every shard of the dataset (epoch 0's shards for a live dataset).
+    shard_samples: dict[str, int] = field(default_factory=dict)
     pending_samples: int = 0
     problems: ProblemLog = field(default_factory=ProblemLog)
     too_long: ProblemLog = field(default_factory=ProblemLog)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dflash_queue.config import Config
+from dflash_queue.consumption import Consumption
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ledger import Ledger
@@ -44,23 +45,28 @@ class Job:
     shard_id: str
     redo: bool
     records: tuple[DeadLetter, ...]
+    epoch: int = 0  # a later epoch's extraction (dflash_queue.live.epochs) is requeued in its epoch
 
 
 def plan(records: Sequence[DeadLetter], all_records: Sequence[DeadLetter]) -> tuple[list[Job], list[DeadLetter]]:
     """(messages to send, records that cannot be requeued)."""
     jobs: list[Job] = []
     unrunnable: list[DeadLetter] = []
-    redo_shards: set[tuple[str, str]] = set()
+    redo_shards: set[tuple[str, str, int]] = set()
     for record in records:
         if not record.requeueable or record.lane not in LANES or not record.shard_id:
             unrunnable.append(record)
         elif record.kind == TASK:
-            jobs.append(Job(record.lane, record.shard_id, False, (record,)))
+            jobs.append(Job(record.lane, record.shard_id, False, (record,), _epoch(record)))
         elif record.kind == SAMPLE:
-            redo_shards.add((record.lane, record.shard_id))
-    for lane, shard_id in sorted(redo_shards):
-        siblings = tuple(r for r in all_records if r.kind == SAMPLE and r.lane == lane and r.shard_id == shard_id)
-        jobs.append(Job(lane, shard_id, True, siblings))
+            redo_shards.add((record.lane, record.shard_id, _epoch(record)))
+    for lane, shard_id, epoch in sorted(redo_shards):
+        siblings = tuple(
+            r
+            for r in all_records
+            if r.kind == SAMPLE and r.lane == lane and r.shard_id == shard_id and _epoch(r) == epoch
+        )
+        jobs.append(Job(lane, shard_id, True, siblings, epoch))
     return jobs, unrunnable
 
 
@@ -84,7 +90,10 @@ def requeue(
         spec = LANES[job.lane]
         task, queue = spec.task_name, spec.queue
         num_samples = sizes.get(job.shard_id) or _recorded_count(job.records)
-        what = f"{task}({job.shard_id}{', redo' if job.redo else ''}) on queue {queue}"
+        what = (
+            f"{task}({job.shard_id}{', redo' if job.redo else ''}{f', epoch {job.epoch}' if job.epoch else ''}) "
+            f"on queue {queue}"
+        )
         if dry_run:
             outcomes.append(RequeueOutcome(job.records, "would send", what))
             continue
@@ -93,14 +102,22 @@ def requeue(
             outcomes.append(RequeueOutcome(job.records, "gone", "already requeued or purged by someone else"))
             continue
         try:
-            ledger.set_state(job.shard_id, spec.waiting_state)
-            send(task, (job.shard_id, num_samples, fingerprint), {"redo": job.redo}, queue)
+            if job.epoch:
+                Consumption(ledger.client, config.run.name).set_epoch_state(job.epoch, job.shard_id, spec.waiting_state)
+            else:
+                ledger.set_state(job.shard_id, spec.waiting_state)
+            kwargs = {"redo": job.redo, "epoch": job.epoch} if job.epoch else {"redo": job.redo}
+            send(task, (job.shard_id, num_samples, fingerprint), kwargs, queue)
         except Exception:
             for record in taken:
                 dead_letters.put_back(record)
             raise
         outcomes.append(RequeueOutcome(tuple(taken), "sent", what))
     return outcomes
+
+
+def _epoch(record: DeadLetter) -> int:
+    return int(record.kwargs.get("epoch", 0) or 0)
 
 
 def _recorded_count(records: Sequence[DeadLetter]) -> int:

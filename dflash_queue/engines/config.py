@@ -202,6 +202,12 @@ class ExtractConfig(Section):
     rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
     """A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
     that layer fails the task (with all-zero and constant layers): states no forward pass gives."""
+    max_unconsumed_shards: Annotated[int, Field(ge=0)] = 0
+    """The window of a run trained while it extracts (`dflash_queue.live.LiveShards`): extraction waits while this
+    many training shards are stored (or being extracted) that not every consumer has acknowledged yet; a waiting
+    task is handed back to the queue after a short wait, so a worker never spins nor holds a shard for long. With
+    storage.retention = "until-consumed" it bounds the states in storage. Keep it at least the consumers' ranks
+    (each rank waits on a shard of its own). 0: no window."""
     max_shard_bytes: Annotated[int, Field(ge=1)] = 8 * 10**9
     """`plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
     larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object."""

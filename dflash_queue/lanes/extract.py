@@ -23,6 +23,7 @@ for good: its dead letter names the sample, the layer and the error, and nothing
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -34,14 +35,16 @@ import transformers
 import dflash_queue
 from dflash_queue import faults
 from dflash_queue.config import Config
+from dflash_queue.consumption import Consumption
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
-from dflash_queue.errors import WorkerShuttingDown
+from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
+from dflash_queue.shards.consumed import ConsumedShard
+from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
@@ -50,6 +53,11 @@ from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
 from dflash_queue.states import CANARY_ERROR
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.uploader import ShardUploader
+
+# How long a task waits for a place in the window before it goes back to the queue (well within any visibility
+# timeout), and how often it looks.
+WINDOW_WAIT_S = 20.0
+WINDOW_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -137,21 +145,22 @@ class ExtractLane:
         )
         self._compute = threading.Semaphore(extractor.concurrent_tasks)
         self._stopping = threading.Event()
+        self._consumption: Consumption | None = None  # the window's state, reached once there is one
 
-    def run(self, shard_id: str, *, redo: bool = False) -> ExtractSummary:
-        """Extract one shard and return once it is durably stored. Safe to call from several threads.
+    def run(self, shard_id: str, *, redo: bool = False, epoch: int = 0) -> ExtractSummary:
+        """Extract one shard for `epoch` and return once it is durably stored. Safe to call from several threads.
 
-        A stored shard is reused unless `redo` (a requeued dead letter: the shard is written again, whole).
+        A stored shard is reused unless `redo` (a requeued dead letter: the shard is written again, whole); so is
+        one every consumer already took (storage.retention = "until-consumed" deleted it): it is not made again.
+        With a window (extract.max_unconsumed_shards) the shard first takes a place in it, or raises WindowFull
+        after a short wait.
         """
-        out_key = shard_key(shard_id)
-        if not redo and self.storage.exists(out_key):
-            source = open_source(self.storage, out_key)
-            try:
-                index = ShardIndex.load(source)
-                return ExtractSummary(shard_id, len(index), index.num_tokens, source.size(), skipped=True)
-            finally:
-                source.close()
-
+        out_key = epoch_shard_key(shard_id, epoch)
+        if not redo:
+            reused = self._stored(shard_id, out_key, epoch)
+            if reused is not None:
+                return reused
+        self._take_place(shard_id, epoch)
         in_key = completions_key(shard_id)
         records = decode_completions(self.storage.read_bytes(in_key), what=in_key)
         # Samples the quality gate dropped are accounted for in the shard's metadata, never extracted.
@@ -224,6 +233,38 @@ class ExtractLane:
             canary_untestable=bool(canary and canary.untestable),
             canary_window=bool(canary and canary.window),
         )
+
+    def _stored(self, shard_id: str, out_key: str, epoch: int) -> ExtractSummary | None:
+        if self.storage.exists(out_key):
+            source = open_source(self.storage, out_key)
+            try:
+                index = ShardIndex.load(source)
+                return ExtractSummary(shard_id, len(index), index.num_tokens, source.size(), skipped=True)
+            finally:
+                source.close()
+        consumed = consumed_key(shard_id, epoch)
+        if self.storage.exists(consumed):
+            record = ConsumedShard.from_json(self.storage.read_bytes(consumed), where=consumed)
+            return ExtractSummary(shard_id, len(record.samples), record.num_tokens, 0, skipped=True)
+        return None
+
+    def _take_place(self, shard_id: str, epoch: int) -> None:
+        """A place in the window of unconsumed shards, waited for up to WINDOW_WAIT_S (polled, not spun)."""
+        size = self.config.extract.max_unconsumed_shards
+        if not size:
+            return
+        if self._consumption is None:
+            self._consumption = Consumption.from_url(self.config.broker.url, self.config.run.name)
+        deadline = time.monotonic() + WINDOW_WAIT_S
+        while not self._consumption.take_place(epoch, shard_id, size):
+            self._consumption.note_waiting(epoch, shard_id, ttl_s=int(2 * WINDOW_WAIT_S))
+            if self._stopping.wait(WINDOW_POLL_S):
+                raise WorkerShuttingDown(f"shard {shard_id}: the worker is shutting down while it waits for the window")
+            if time.monotonic() > deadline:
+                raise WindowFull(
+                    f"shard {shard_id} (epoch {epoch}): {size} shards wait for their consumers "
+                    "(extract.max_unconsumed_shards); handed back to the queue"
+                )
 
     @property
     def layer_names(self) -> list[str]:

@@ -110,9 +110,11 @@ class GenerateLane:
             history=config.dataset.history,
         )
 
-    def run(self, shard_id: str, *, redo: bool = False) -> GenerateSummary:
+    def run(self, shard_id: str, *, redo: bool = False, epoch: int = 0) -> GenerateSummary:
         """Generate one shard's completions. A stored completions file is reused; with `redo` (a requeued dead
-        letter) only the samples it lacks are generated and added to it."""
+        letter) only the samples it lacks are generated and added to it. Completions are made once, in epoch 0."""
+        if epoch:
+            raise ValueError(f"shard {shard_id}: completions are generated in epoch 0 only, not in epoch {epoch}")
         out_key = completions_key(shard_id)
         existing: list[CompletionRecord] = []
         if self.storage.exists(out_key):

@@ -10,8 +10,10 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from functools import cached_property
 
 from dflash_queue.config import Config
+from dflash_queue.consumption import Consumption
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import ResidentLane
 from dflash_queue.ledger import Ledger
@@ -30,6 +32,11 @@ class WorkerRuntime:
     storage: Storage | None = None
     # Set when the worker must stop because it cannot serve more tasks (its engine died).
     stop_reason: str | None = None
+
+    @cached_property
+    def consumption(self) -> Consumption:
+        """The live dataset's state (later epochs, the window), on the ledger's connection."""
+        return Consumption(self.ledger.client, self.config.run.name)
 
     def lane(self, name: str) -> ResidentLane:
         try:

@@ -28,12 +28,14 @@ from dflash_queue.errors import (
     EngineUnavailable,
     FingerprintMismatch,
     StorageUnavailable,
+    WindowFull,
     WorkerShuttingDown,
 )
-from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary
+from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary, lane_of_task
 from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
 from dflash_queue.queue.runtime import WorkerRuntime
+from dflash_queue.states import FAILED
 
 log = get_task_logger(__name__)
 # Busy time per lane in this worker process, recorded as `{lane}_busy_ms` next to the lane's counters.
@@ -83,6 +85,14 @@ class LaneTask(Task):
             self._not_counted(rt)
             log.info("%s: requeued", exc)
             raise Reject(str(exc), requeue=True) from None
+        except WindowFull as exc:
+            # A new message at the back of the queue, then this one acknowledged: shards behind it get their turn,
+            # and a wait of hours never outlives the broker's visibility timeout.
+            self._not_counted(rt)
+            spec = lane_of_task(self.name)
+            self.apply_async(args=args, kwargs=kwargs, queue=spec.queue if spec else None)
+            log.info("%s", exc)
+            return None
 
     def _give_up(self, rt: WorkerRuntime, args, kwargs, deliveries: int) -> None:
         exc = DeliveryLimitExceeded(
@@ -99,6 +109,7 @@ class LaneTask(Task):
             log.exception("could not uncount a requeued delivery")
 
     def _dead_letter(self, rt: WorkerRuntime, exc: BaseException, args, kwargs) -> None:
+        epoch = int((kwargs or {}).get("epoch", 0))
         record = dead_letter_task(
             rt.dead_letters,
             self.name,
@@ -109,8 +120,14 @@ class LaneTask(Task):
             worker=self.request.hostname or "",
         )
         if record.shard_id:
+            error = f"{self.name}: {type(exc).__name__}: {exc}"
             try:
-                rt.ledger.mark_failed(record.shard_id, f"{self.name}: {type(exc).__name__}: {exc}")
+                if epoch:
+                    rt.consumption.set_epoch_state(epoch, record.shard_id, FAILED, error)
+                else:
+                    rt.ledger.mark_failed(record.shard_id, error)
+                # A shard that will not be stored gives its place in the window back.
+                rt.consumption.give_back_place(epoch, record.shard_id)
             except Exception:  # never let bookkeeping hide the original error
                 log.exception("could not record the failure of shard %s", record.shard_id)
 
@@ -156,9 +173,11 @@ def _transient_retries(task: Task, rt: WorkerRuntime, shard_id: str) -> Iterator
         raise task.retry(exc=exc, countdown=delay, max_retries=broker.transient_retries) from exc
 
 
-def _count_once(rt: WorkerRuntime, task: Task, lane: str, shard_id: str, redo: bool, counts: dict) -> None:
+def _count_once(
+    rt: WorkerRuntime, task: Task, lane: str, shard_id: str, redo: bool, epoch: int, counts: dict
+) -> None:
     """Counters of one shard's output, once: a second delivery that wrote the same output adds nothing."""
-    token = f"{lane}:{shard_id}" + (f":redo:{task.request.id}" if redo else "")
+    token = f"{lane}:{shard_id}" + (f":epoch:{epoch}" if epoch else "") + (f":redo:{task.request.id}" if redo else "")
     rt.ledger.add_once(token, counts)
 
 
@@ -176,20 +195,31 @@ def _dead_letter_poisoned(task: LaneTask, args: tuple, kwargs: dict, poisoned) -
 
 
 def run_lane_task(
-    task: LaneTask, spec: LaneSpec, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False
+    task: LaneTask,
+    spec: LaneSpec,
+    shard_id: str,
+    num_samples: int,
+    fingerprint: str,
+    redo: bool = False,
+    epoch: int = 0,
 ) -> LaneSummary:
     """One shard through one lane: run it, dead-letter its poison samples, count it once, move its state on,
-    settle its dead letters, and hand it to the next lane."""
+    settle its dead letters, and hand it to the next lane. A later epoch (a shard extracted again for training)
+    keeps its states apart from the run's."""
     rt = task.runtime
     _check_fingerprint(rt, fingerprint, shard_id)
     with _transient_retries(task, rt, shard_id), BUSY[spec.name].task() as timing:
-        summary = rt.lane(spec.name).run(shard_id, redo=redo)
-    _dead_letter_poisoned(task, (shard_id, num_samples, fingerprint), {"redo": redo}, summary.poisoned)
+        summary = rt.lane(spec.name).run(shard_id, redo=redo, epoch=epoch)
+    _dead_letter_poisoned(task, (shard_id, num_samples, fingerprint), _lane_kwargs(redo, epoch), summary.poisoned)
     if not summary.skipped:
-        _count_once(rt, task, spec.name, shard_id, redo, {**summary.counters(), spec.busy_counter: timing.busy_ms})
+        counts = {**summary.counters(), spec.busy_counter: timing.busy_ms}
+        _count_once(rt, task, spec.name, shard_id, redo, epoch, counts)
     for name, value in summary.maxima().items():
         rt.ledger.record_max(name, value)
-    rt.ledger.set_state(shard_id, spec.finished_state)
+    if epoch:
+        rt.consumption.set_epoch_state(epoch, shard_id, spec.finished_state)
+    else:
+        rt.ledger.set_state(shard_id, spec.finished_state)
     rt.dead_letters.settle(spec.name, shard_id)
     if spec.next_lane is not None:
         send_to_lane(spec.next_lane, shard_id, summary.handed_on, fingerprint, redo=redo)
@@ -198,8 +228,10 @@ def run_lane_task(
 
 
 def _register(spec: LaneSpec) -> Task:
-    def lane_task(self: LaneTask, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False) -> None:
-        run_lane_task(self, spec, shard_id, num_samples, fingerprint, redo)
+    def lane_task(
+        self: LaneTask, shard_id: str, num_samples: int, fingerprint: str, redo: bool = False, epoch: int = 0
+    ) -> None:
+        run_lane_task(self, spec, shard_id, num_samples, fingerprint, redo, epoch)
 
     lane_task.__name__ = lane_task.__qualname__ = f"{spec.name}_shard"
     return app.task(name=spec.task_name, base=LaneTask, bind=True)(lane_task)
@@ -209,7 +241,14 @@ def _register(spec: LaneSpec) -> Task:
 LANE_TASKS: dict[str, Task] = {name: _register(spec) for name, spec in LANES.items()}
 
 
-def send_to_lane(lane: str, shard_id: str, num_samples: int, fingerprint: str, *, redo: bool = False) -> None:
+def _lane_kwargs(redo: bool, epoch: int) -> dict:
+    """A message's keyword arguments: `epoch` only for a later epoch, so epoch 0's messages stay as they were."""
+    return {"redo": redo, "epoch": epoch} if epoch else {"redo": redo}
+
+
+def send_to_lane(
+    lane: str, shard_id: str, num_samples: int, fingerprint: str, *, redo: bool = False, epoch: int = 0
+) -> None:
     LANE_TASKS[lane].apply_async(
-        args=(shard_id, num_samples, fingerprint), kwargs={"redo": redo}, queue=LANES[lane].queue
+        args=(shard_id, num_samples, fingerprint), kwargs=_lane_kwargs(redo, epoch), queue=LANES[lane].queue
     )

@@ -13,6 +13,10 @@ class Listable(Protocol):
 PROMPTS = "prompts"
 COMPLETIONS = "completions"
 SHARDS = "shards"
+# Training shards of epochs after the first (re-extracted from stored completions), one folder per epoch.
+EPOCHS = "epochs"
+# A record per training shard every consumer acknowledged and retention deleted: what it held, for accounting.
+CONSUMED = "consumed"
 
 
 def prompts_key(shard_id: str) -> str:
@@ -27,6 +31,15 @@ def shard_key(shard_id: str) -> str:
     return f"{SHARDS}/{shard_id}.safetensors"
 
 
+def epoch_shard_key(shard_id: str, epoch: int) -> str:
+    """Epoch 0's training shard is the run's (`shards/`); a later epoch's lies in a folder of its own."""
+    return shard_key(shard_id) if epoch == 0 else f"{EPOCHS}/{epoch}/{shard_key(shard_id)}"
+
+
+def consumed_key(shard_id: str, epoch: int) -> str:
+    return f"{CONSUMED}/{epoch}/{shard_id}.json"
+
+
 def shard_id_of(key: str) -> str:
     """The shard id of any key above."""
     name = key.rsplit("/", 1)[-1]
@@ -34,5 +47,10 @@ def shard_id_of(key: str) -> str:
 
 
 def stored_shard_ids(storage: Listable) -> set[str]:
-    """Ids of the training shards `storage` holds: what counts as done."""
-    return {shard_id_of(key) for key in storage.list(SHARDS + "/")}
+    """Ids of the training shards `storage` holds, or held until every consumer took them (storage.retention =
+    "until-consumed"): what counts as done."""
+    return {shard_id_of(key) for key in storage.list(SHARDS + "/")} | consumed_shard_ids(storage, 0)
+
+
+def consumed_shard_ids(storage: Listable, epoch: int) -> set[str]:
+    return {shard_id_of(key) for key in storage.list(f"{CONSUMED}/{epoch}/") if key.endswith(".json")}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_queue.errors import ShardFormatError
+from dflash_queue.shards.keys import EPOCHS
 from dflash_queue.storage.base import Storage
 from dflash_queue.storage.factory import open_storage
 from dflash_queue.storage.local import LocalStorage
@@ -58,7 +59,13 @@ def _split_object_url(url: str) -> tuple[str, str | None]:
 
 def _from_storage(storage: Storage, keys: Sequence[str] | None, prefix: str, *, url: str | None) -> ShardSet:
     if keys is None:
-        keys = sorted(k for k in storage.list(prefix) if k.endswith(SHARD_SUFFIX))
+        # Later epochs' copies of the run's shards (under epochs/) are read only when asked for by prefix.
+        later_epochs = EPOCHS + "/"
+        keys = sorted(
+            k
+            for k in storage.list(prefix)
+            if k.endswith(SHARD_SUFFIX) and (prefix.startswith(later_epochs) or not k.startswith(later_epochs))
+        )
         if not keys:
             raise ShardFormatError(f"{storage.url}: no {SHARD_SUFFIX} shards under {prefix or 'the root'}")
     return ShardSet(storage, tuple(keys), url)

@@ -81,6 +81,12 @@ class StorageConfig(Section):
     unavailable_task_retries: Annotated[int, Field(ge=0)] = 30
     """A task whose storage is unreachable (after botocore's own retries) is retried this many times, with backoff
     up to two minutes, before its shard is marked failed."""
+    retention: Literal["keep", "until-consumed"] = "keep"
+    """What becomes of a training shard once every consumer of its epoch has acknowledged it (the live dataset,
+    `dflash_queue.live.LiveShards`): "keep" it, or delete its file ("until-consumed"), leaving under
+    `consumed/{epoch}/` a record of the samples it held, so that `verify` and `enqueue` still count them done. With
+    extract.max_unconsumed_shards it bounds the states in storage to a window while training reads them.
+    Completions are always kept (a later epoch is extracted from them again: `dflash-queue epoch`)."""
     s3: S3Config = S3Config()
     uploader: UploaderConfig = UploaderConfig()
 

@@ -1,0 +1,171 @@
+"""Consumption state in Redis: who reads a run's training shards while it extracts, what they acknowledged, the
+window of shards stored but not yet consumed, and the epochs.
+
+* An epoch is a set of shards (shard id -> samples), recorded once when it is sealed: epoch 0 by the producer
+  (every shard of the dataset), a later one when its extraction is enqueued (`dflash_queue.live.epochs`).
+  Epoch 0's shard states are the ledger's; a later epoch's are kept here.
+* A consumer (a training job, several ranks) registers by name; each of its ranks acknowledges the shards it
+  consumed, per epoch. The acknowledged sets are the consumer's cursor: a restarted rank skips them.
+* The window (extract.max_unconsumed_shards): a shard takes a place before it is extracted and gives it back
+  once every registered consumer acknowledged it (or its extraction failed for good). A place is held per
+  (epoch, shard), so a re-delivered task takes the place it already holds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from dflash_queue.states import DONE, FAILED
+
+# A rank that has not polled for this long is shown as silent by `status`.
+SILENT_AFTER_S = 120.0
+
+
+class Consumption:
+    def __init__(self, client: redis.Redis, run_name: str) -> None:
+        self.client: Any = client  # made with decode_responses=True
+        self.prefix = f"dfq:{run_name}:live"
+        self.window_key = f"{self.prefix}:window"
+        self.consumers_key = f"{self.prefix}:consumers"
+        self.waiting_key = f"{self.prefix}:waiting"
+
+    @classmethod
+    def from_url(cls, url: str, run_name: str) -> Consumption:
+        from dflash_queue.ledger import resilient_client
+
+        return cls(resilient_client(url), run_name)
+
+    # -- epochs
+
+    def _epoch_key(self, epoch: int, what: str) -> str:
+        return f"{self.prefix}:epoch:{epoch}:{what}"
+
+    def seal_epoch(self, epoch: int, sizes: dict[str, int]) -> None:
+        """Record the epoch's shards (added to any recorded before) and mark it sealed."""
+        pipe = self.client.pipeline()
+        if sizes:
+            pipe.hset(self._epoch_key(epoch, "shards"), mapping=sizes)
+        pipe.set(self._epoch_key(epoch, "sealed"), repr(time.time()), nx=True)
+        pipe.execute()
+
+    def epoch_shards(self, epoch: int) -> dict[str, int] | None:
+        """shard id -> samples of a sealed epoch; None while it is not."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(self._epoch_key(epoch, "sealed"))
+        pipe.hgetall(self._epoch_key(epoch, "shards"))
+        sealed, shards = pipe.execute()
+        return {shard: int(n) for shard, n in shards.items()} if sealed else None
+
+    def claim_epoch(self, epoch: int) -> bool:
+        """Whether this caller is the one to enqueue the epoch's extraction (once per epoch)."""
+        return bool(self.client.set(self._epoch_key(epoch, "claimed"), repr(time.time()), nx=True))
+
+    def unclaim_epoch(self, epoch: int) -> None:
+        self.client.delete(self._epoch_key(epoch, "claimed"))
+
+    def last_epoch(self) -> int:
+        """The latest sealed epoch (0 before any is)."""
+        epoch = 0
+        while self.client.exists(self._epoch_key(epoch + 1, "sealed")):
+            epoch += 1
+        return epoch
+
+    def set_epoch_state(self, epoch: int, shard_id: str, state: str, error: str = "") -> None:
+        """A later epoch's shard state (epoch 0's are the ledger's)."""
+        pipe = self.client.pipeline()
+        pipe.hset(self._epoch_key(epoch, "state"), shard_id, state)
+        if error:
+            pipe.hset(self._epoch_key(epoch, "failures"), shard_id, error)
+        pipe.execute()
+
+    def epoch_states(self, epoch: int) -> dict[str, str]:
+        return self.client.hgetall(self._epoch_key(epoch, "state"))
+
+    # -- consumers
+
+    def register(self, consumer: str, *, world_size: int, seed: int) -> None:
+        """Record a consumer, or check that it is the one recorded under that name: its shards are split by world
+        size and seed, and a restart must split them the same way."""
+        mine = {"world_size": world_size, "seed": seed}
+        recorded = self.client.hget(self.consumers_key, consumer)
+        if recorded is None:
+            self.client.hsetnx(self.consumers_key, consumer, json.dumps({**mine, "since": time.time()}))
+            recorded = self.client.hget(self.consumers_key, consumer)
+        fields = json.loads(recorded)
+        differs = {k: (fields.get(k), v) for k, v in mine.items() if fields.get(k) != v}
+        if differs:
+            said = ", ".join(f"{k} {was} (now {now})" for k, (was, now) in differs.items())
+            raise ValueError(
+                f"consumer {consumer!r} was registered with {said}: its acknowledged shards were split that way; "
+                "use another consumer name for another split"
+            )
+
+    def consumers(self) -> dict[str, dict[str, Any]]:
+        return {name: json.loads(fields) for name, fields in self.client.hgetall(self.consumers_key).items()}
+
+    def _acked_key(self, consumer: str, epoch: int) -> str:
+        return f"{self.prefix}:acked:{consumer}:{epoch}"
+
+    def seen(self, consumer: str, rank: int, epoch: int) -> None:
+        """A rank's heartbeat: when it last looked for shards, and in which epoch."""
+        self.client.hset(f"{self.prefix}:seen:{consumer}", str(rank), json.dumps({"at": time.time(), "epoch": epoch}))
+
+    def ranks_seen(self, consumer: str) -> dict[int, dict[str, float]]:
+        return {int(r): json.loads(v) for r, v in self.client.hgetall(f"{self.prefix}:seen:{consumer}").items()}
+
+    def acknowledge(self, consumer: str, epoch: int, shard_id: str) -> bool:
+        """Record the shard consumed by `consumer`; returns whether every registered consumer now has it."""
+        pipe = self.client.pipeline()
+        pipe.sadd(self._acked_key(consumer, epoch), shard_id)
+        pipe.hkeys(self.consumers_key)
+        _, names = pipe.execute()
+        check = self.client.pipeline(transaction=False)
+        for name in names:
+            check.sismember(self._acked_key(name, epoch), shard_id)
+        return all(check.execute())
+
+    def acknowledged(self, consumer: str, epoch: int) -> set[str]:
+        return self.client.smembers(self._acked_key(consumer, epoch))
+
+    # -- the window
+
+    @staticmethod
+    def _place(epoch: int, shard_id: str) -> str:
+        return f"{epoch}:{shard_id}"
+
+    def take_place(self, epoch: int, shard_id: str, size: int) -> bool:
+        """A place in a window of `size` for the shard (True at once when it already holds one)."""
+        return bool(self.client.eval(_TAKE_PLACE, 1, self.window_key, self._place(epoch, shard_id), size))
+
+    def give_back_place(self, epoch: int, shard_id: str) -> None:
+        self.client.srem(self.window_key, self._place(epoch, shard_id))
+
+    def window_fill(self) -> int:
+        return int(self.client.scard(self.window_key))
+
+    def note_waiting(self, epoch: int, shard_id: str, ttl_s: int) -> None:
+        """An extract task waits for a place: `status` says so while this lasts."""
+        self.client.set(self.waiting_key, json.dumps({"epoch": epoch, "shard": shard_id, "at": time.time()}), ex=ttl_s)
+
+    def waiting(self) -> dict[str, Any] | None:
+        raw = self.client.get(self.waiting_key)
+        return json.loads(raw) if raw else None
+
+
+def settled(state: str | None) -> bool:
+    """A shard whose extraction is over: stored, or failed for good."""
+    return state in (DONE, FAILED)
+
+
+_TAKE_PLACE = """
+if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  redis.call('SADD', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+"""

@@ -1,0 +1,293 @@
+"""Training shards of a run while it runs: a trainer follows the job, acknowledges what it consumed, and the
+window (extract.max_unconsumed_shards) with storage.retention = "until-consumed" keeps storage bounded.
+
+    live = LiveShards("worker_configs/my-run.toml", consumer="drafter", epochs=2)
+    for shard in live:                      # a ShardDataset per training shard, as it is stored
+        for batch in DataLoader(shard, batch_size=8, collate_fn=collate_padded):
+            train_step(batch)
+        live.ack(shard)                     # consumed: never served to this consumer again in this epoch
+
+or, under a DataLoader with workers, `live.samples()` (one sample at a time, the rank's shards spread over the
+loader's workers) with `live.consumed(batch)` after each step (a shard is acknowledged once all its samples were).
+
+Each epoch's shards are split over `world_size` ranks the same way in every process (a seeded order of the epoch,
+then every world_size-th shard from position `rank`): no shard twice in an epoch, ranks' counts differ by at most
+one. A rank serves its shards as they become ready and ends the epoch when each is consumed or failed for good.
+The consumer's acknowledgements live in the broker: a rank restarted after a kill serves what it had not
+acknowledged, and only that. A later epoch starts (its extraction enqueued) as soon as the previous one's
+extraction is over, by whichever rank sees it first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from dflash_queue.config import Config, load_config
+from dflash_queue.consumption import Consumption
+from dflash_queue.ledger import Ledger, resilient_client
+from dflash_queue.live.epochs import epoch_order, epoch_states, start_epoch
+from dflash_queue.shards.consumed import ConsumedShard
+from dflash_queue.shards.keys import consumed_key, epoch_shard_key
+from dflash_queue.shards.ranges import open_source
+from dflash_queue.shards.reader import ShardIndex
+from dflash_queue.states import DONE, FAILED
+from dflash_queue.storage import Storage, open_storage
+from dflash_queue.training import ShardDataset
+
+log = logging.getLogger(__name__)
+
+
+class LiveShard(ShardDataset):
+    """One training shard of a live run: a ShardDataset, and which epoch and shard it is."""
+
+    epoch: int
+    shard_id: str
+
+
+def _distributed_rank() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class LiveShards:
+    """An iterable of a running job's training shards (each a `LiveShard`), for one rank of one consumer."""
+
+    def __init__(
+        self,
+        config: Config | str | os.PathLike[str],
+        *,
+        consumer: str = "trainer",
+        rank: int | None = None,
+        world_size: int | None = None,
+        epochs: int = 1,
+        seed: int = 0,
+        poll_s: float = 1.0,
+        start_epochs: bool = True,
+        **dataset_options: Any,
+    ) -> None:
+        """`rank`/`world_size`: default torch.distributed's when it is initialized, else RANK/WORLD_SIZE, else 0/1.
+        `epochs`: how many epochs to serve (later ones re-extracted, see `dflash-queue epoch`); `start_epochs`:
+        start them when due (else an operator does). `dataset_options` go to each ShardDataset
+        (`hidden_dtype`, `finish_reasons`, `drop_flagged`, ...)."""
+        self.config = config if isinstance(config, Config) else load_config(Path(config))
+        found_rank, found_world = _distributed_rank()
+        self.rank = found_rank if rank is None else rank
+        self.world_size = found_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not within world size {self.world_size}")
+        if epochs < 1:
+            raise ValueError(f"epochs must be at least 1, got {epochs}")
+        window = self.config.extract.max_unconsumed_shards
+        if window and window < self.world_size:
+            raise ValueError(
+                f"extract.max_unconsumed_shards ({window}) is below the world size ({self.world_size}): each rank "
+                "waits on a shard of its own, and ranks that train in step would wait on each other for ever"
+            )
+        self.consumer = consumer
+        self.epochs = epochs
+        self.seed = seed
+        self.poll_s = poll_s
+        self.start_epochs = start_epochs
+        self.dataset_options = dataset_options
+        # Shards of each epoch left out because their extraction failed for good (their dead letters say why).
+        self.failed: dict[int, list[str]] = {}
+        self._pid = -1
+        self._registered = False
+
+    # -- process-local connections (a DataLoader worker opens its own)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in ("_consumption", "_ledger", "_storage"):
+            state.pop(name, None)
+        state["_pid"] = -1
+        return state
+
+    def _connect(self) -> None:
+        if self._pid == os.getpid():
+            return
+        client = resilient_client(self.config.broker.url)
+        self._consumption = Consumption(client, self.config.run.name)
+        self._ledger = Ledger(client, self.config.run.name)
+        self._storage: Storage = open_storage(self.config.storage)
+        self._pid = os.getpid()
+        if not self._registered:
+            self._consumption.register(self.consumer, world_size=self.world_size, seed=self.seed)
+            self._registered = True
+
+    @property
+    def consumption(self) -> Consumption:
+        self._connect()
+        return self._consumption
+
+    # -- iteration
+
+    def __iter__(self) -> Iterator[LiveShard]:
+        for epoch in range(self.epochs):
+            yield from self.epoch(epoch)
+
+    def assigned(self, epoch: int) -> list[str]:
+        """This rank's shards of `epoch`, in the epoch's order (waits until the epoch is sealed)."""
+        shards = self._wait_sealed(epoch)
+        return epoch_order(list(shards), self.seed, epoch)[self.rank :: self.world_size]
+
+    def epoch(self, epoch: int, *, part: tuple[int, int] = (0, 1)) -> Iterator[LiveShard]:
+        """This rank's shards of `epoch` not yet acknowledged, each as soon as it is stored. `part` (index, count)
+        takes every count-th of them from position index (a DataLoader worker's share)."""
+        index, count = part
+        self._connect()
+        remaining = [s for s in self.assigned(epoch)[index::count] if s not in self._acknowledged(epoch)]
+        while remaining:
+            self._consumption.seen(self.consumer, self.rank, epoch)
+            states = epoch_states(self._consumption, self._ledger, epoch, remaining)
+            served = False
+            for shard_id in list(remaining):
+                state = states.get(shard_id)
+                if state == FAILED:
+                    remaining.remove(shard_id)
+                    self.failed.setdefault(epoch, []).append(shard_id)
+                    warnings.warn(f"epoch {epoch}: shard {shard_id} failed to extract; left out (see `dflash-queue dead`)", stacklevel=2)
+                elif state == DONE:
+                    shard = self._open(epoch, shard_id)
+                    if shard is not None:
+                        remaining.remove(shard_id)
+                        served = True
+                        yield shard
+            if remaining and not served:
+                self._start_due(epoch + 1)
+                time.sleep(self.poll_s)
+        self._start_due(epoch + 1)
+
+    def samples(self) -> LiveSamples:
+        """The rank's samples as an IterableDataset for a DataLoader with workers (see LiveSamples)."""
+        return LiveSamples(self)
+
+    # -- acknowledgement
+
+    def ack(self, shard: LiveShard) -> None:
+        self.acknowledge(shard.epoch, shard.shard_id)
+
+    def acknowledge(self, epoch: int, shard_id: str) -> None:
+        """The shard is consumed by this consumer. Once every registered consumer has it, its place in the window
+        is given back and (storage.retention = "until-consumed") its file deleted, its samples recorded."""
+        self._connect()
+        if not self._consumption.acknowledge(self.consumer, epoch, shard_id):
+            return
+        if self.config.storage.retention == "until-consumed":
+            self._delete(epoch, shard_id)
+        self._consumption.give_back_place(epoch, shard_id)
+
+    def consumed(self, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[str]:
+        """Count a batch from `samples()` as consumed; acknowledges each shard whose samples all were. Returns the
+        shard ids acknowledged."""
+        items: list[tuple[int, str, int]]
+        if isinstance(batch, Mapping):
+            items = list(zip(batch["epoch"], batch["shard_id"], batch["shard_samples"], strict=True))
+        else:
+            items = [(item["epoch"], item["shard_id"], item["shard_samples"]) for item in batch]
+        counts = self.__dict__.setdefault("_counts", Counter())
+        acked = []
+        for epoch, shard_id, total in items:
+            key = (int(epoch), shard_id)
+            counts[key] += 1
+            if counts[key] == int(total):
+                del counts[key]
+                self.acknowledge(int(epoch), shard_id)
+                acked.append(shard_id)
+        return acked
+
+    # -- helpers
+
+    def _acknowledged(self, epoch: int) -> set[str]:
+        return self._consumption.acknowledged(self.consumer, epoch)
+
+    def _wait_sealed(self, epoch: int) -> dict[str, int]:
+        self._connect()
+        while True:
+            shards = self._consumption.epoch_shards(epoch)
+            if shards is not None:
+                return shards
+            self._start_due(epoch)
+            time.sleep(self.poll_s)
+
+    def _start_due(self, epoch: int) -> None:
+        """Start `epoch` if it is one this consumer wants and the previous one's extraction is over."""
+        if not self.start_epochs or not 0 < epoch < self.epochs or self._consumption.epoch_shards(epoch) is not None:
+            return
+        report = start_epoch(
+            self.config, epoch, seed=self.seed, consumption=self._consumption, ledger=self._ledger
+        )
+        if report.started:
+            log.info("%s", "; ".join(report.lines()))
+
+    def _open(self, epoch: int, shard_id: str) -> LiveShard | None:
+        key = epoch_shard_key(shard_id, epoch)
+        try:
+            shard = LiveShard(self._storage, keys=[key], on_bad_shard="raise", **self.dataset_options)
+        except FileNotFoundError:
+            shard = None
+        except Exception as exc:
+            if not self._storage.exists(key):
+                shard = None
+            else:
+                raise exc
+        if shard is None:
+            if self._storage.exists(consumed_key(shard_id, epoch)):
+                # Every consumer registered then took it before this one registered: it is gone.
+                warnings.warn(
+                    f"epoch {epoch}: shard {shard_id} was consumed and deleted before consumer {self.consumer!r} "
+                    "registered; left out",
+                    stacklevel=3,
+                )
+                self._consumption.acknowledge(self.consumer, epoch, shard_id)
+            return None  # done in the ledger, not yet in storage: looked for again
+        shard.epoch = epoch
+        shard.shard_id = shard_id
+        shard._storage_url = self.config.storage  # type: ignore[assignment]  # reopened from it in another process
+        return shard
+
+    def _delete(self, epoch: int, shard_id: str) -> None:
+        key = epoch_shard_key(shard_id, epoch)
+        if not self._storage.exists(key):
+            return
+        source = open_source(self._storage, key)
+        try:
+            index = ShardIndex.load(source)
+        finally:
+            source.close()
+        record = ConsumedShard.of(index, shard_id, epoch, list(self._consumption.consumers()))
+        self._storage.write_bytes(consumed_key(shard_id, epoch), record.to_json())
+        self._storage.delete(key)
+
+
+class LiveSamples(IterableDataset):
+    """The samples of a rank's shards, for a DataLoader with workers: each worker serves every num_workers-th of
+    the rank's shards of each epoch. Items are ShardDataset items with `epoch`, `shard_id` and `shard_samples`
+    (the shard's samples after the filters) added; pass each batch to `LiveShards.consumed` after the step."""
+
+    def __init__(self, live: LiveShards) -> None:
+        self.live = live
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = get_worker_info()
+        part = (info.id, info.num_workers) if info is not None else (0, 1)
+        for epoch in range(self.live.epochs):
+            for shard in self.live.epoch(epoch, part=part):
+                if len(shard) == 0:
+                    self.live.ack(shard)  # nothing to consume
+                    continue
+                for i in range(len(shard)):
+                    item = shard[i]
+                    item.update(epoch=epoch, shard_id=shard.shard_id, shard_samples=len(shard))
+                    yield item
