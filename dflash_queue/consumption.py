@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 
+from dflash_queue.ledger import Ledger, resilient_client
 from dflash_queue.states import DONE, FAILED
 
 # A rank that has not polled for this long is shown as silent by `status`.
@@ -35,8 +37,6 @@ class Consumption:
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> Consumption:
-        from dflash_queue.ledger import resilient_client
-
         return cls(resilient_client(url), run_name)
 
     # -- epochs
@@ -119,14 +119,15 @@ class Consumption:
 
     def acknowledge(self, consumer: str, epoch: int, shard_id: str) -> bool:
         """Record the shard consumed by `consumer`; returns whether every registered consumer now has it."""
-        pipe = self.client.pipeline()
-        pipe.sadd(self._acked_key(consumer, epoch), shard_id)
-        pipe.hkeys(self.consumers_key)
-        _, names = pipe.execute()
+        self.client.sadd(self._acked_key(consumer, epoch), shard_id)
+        return self.everyone_acknowledged(epoch, shard_id)
+
+    def everyone_acknowledged(self, epoch: int, shard_id: str) -> bool:
+        names = self.client.hkeys(self.consumers_key)
         check = self.client.pipeline(transaction=False)
         for name in names:
             check.sismember(self._acked_key(name, epoch), shard_id)
-        return all(check.execute())
+        return bool(names) and all(check.execute())
 
     def acknowledged(self, consumer: str, epoch: int) -> set[str]:
         return self.client.smembers(self._acked_key(consumer, epoch))
@@ -144,6 +145,13 @@ class Consumption:
     def give_back_place(self, epoch: int, shard_id: str) -> None:
         self.client.srem(self.window_key, self._place(epoch, shard_id))
 
+    def places_held(self, epoch: int, shard_ids: Sequence[str]) -> set[str]:
+        ids = list(shard_ids)
+        if not ids:
+            return set()
+        held = self.client.smismember(self.window_key, [self._place(epoch, s) for s in ids])
+        return {s for s, member in zip(ids, held, strict=True) if member}
+
     def window_fill(self) -> int:
         return int(self.client.scard(self.window_key))
 
@@ -154,6 +162,14 @@ class Consumption:
     def waiting(self) -> dict[str, Any] | None:
         raw = self.client.get(self.waiting_key)
         return json.loads(raw) if raw else None
+
+
+def epoch_states(consumption: Consumption, ledger: Ledger, epoch: int, shard_ids: Sequence[str]) -> dict[str, str]:
+    """Where each shard of the epoch stands (epoch 0: the run's ledger)."""
+    if epoch == 0:
+        return ledger.states(shard_ids)
+    states = consumption.epoch_states(epoch)
+    return {s: states[s] for s in shard_ids if s in states}
 
 
 def settled(state: str | None) -> bool:

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_queue.config import Config
+from dflash_queue.consumption import Consumption, epoch_states
 from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
+from dflash_queue.errors import ShardFormatError
 from dflash_queue.ledger import Ledger
-from dflash_queue.shards.keys import PROMPTS, SHARDS, shard_id_of
+from dflash_queue.shards.consumed import ConsumedShard
+from dflash_queue.shards.keys import CONSUMED, PROMPTS, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
@@ -33,8 +36,11 @@ LISTED = 50
 
 @dataclass
 class VerifyReport:
+    epoch: int = 0
     staged: int = 0
     done: int = 0
+    # Of the done: samples of shards every consumer took, deleted by storage.retention (their records remain).
+    consumed: int = 0
     flagged: int = 0
     dropped: int = 0
     dead: int = 0
@@ -55,8 +61,10 @@ class VerifyReport:
 
     def lines(self) -> list[str]:
         out = [
-            f"staged samples: {self.staged}",
-            f"  done: {self.done} (of which flagged by the quality gate: {self.flagged})",
+            f"staged samples: {self.staged}" + (f" (epoch {self.epoch})" if self.epoch else ""),
+            f"  done: {self.done} (of which flagged by the quality gate: {self.flagged}"
+            + (f"; consumed and deleted: {self.consumed}" if self.consumed else "")
+            + ")",
             f"  dropped by the quality gate: {self.dropped}",
             f"  dead letters: {self.dead}",
             f"  missing: {len(self.missing)}",
@@ -72,6 +80,21 @@ class VerifyReport:
         for sample_id, places in list(self.duplicated.items())[:LISTED]:
             out.append(f"duplicated {sample_id}: {', '.join(places)}")
         return out
+
+
+def found_in(
+    found: dict[str, list[str]],
+    flagged_ids: set[str],
+    where: str,
+    ids: Iterable[str],
+    flagged: Iterable[str],
+    dropped: Iterable[str],
+) -> None:
+    for sample_id in ids:
+        found[sample_id].append(where)
+    flagged_ids.update(flagged)
+    for sample_id in dropped:
+        found[sample_id].append(f"{where} (dropped)")
 
 
 def expected_shards(config: Config, datasets: Iterable[str | Path], report: VerifyReport) -> dict[str, list[str]]:
@@ -120,10 +143,13 @@ def verify(
     storage: Storage | None = None,
     ledger: Ledger | None = None,
     dead_letters: DeadLetters | None = None,
+    epoch: int = 0,
 ) -> VerifyReport:
     """Account for every sample of `datasets` by its id: the files may be any order or subset of those enqueued
-    (samples of files never enqueued are reported as not enqueued)."""
-    report = VerifyReport()
+    (samples of files never enqueued are reported as not enqueued). `epoch`: the run's training shards (0), or
+    a later epoch's, extracted again for a live dataset; a shard every consumer took and retention deleted is
+    accounted for by the record it left (`consumed`)."""
+    report = VerifyReport(epoch=epoch)
     storage = storage or open_storage(config.storage)
     ledger = ledger or Ledger.from_url(config.broker.url, config.run.name)
     dead_letters = dead_letters or DeadLetters.from_url(config.broker.url, config.run.name)
@@ -139,26 +165,38 @@ def verify(
     found: dict[str, list[str]] = defaultdict(list)
     flagged_ids: set[str] = set()
 
-    for key in sorted(k for k in storage.list(SHARDS + "/") if k.endswith(".safetensors")):
+    prefix = epoch_shards_prefix(epoch)
+    stored_ids: set[str] = set()
+    for key in sorted(k for k in storage.list(prefix) if k.endswith(".safetensors")):
+        stored_ids.add(shard_id_of(key))
         try:
             ids, flagged, dropped = shard_contents(storage, key)
         except Exception as exc:  # a corrupt or truncated shard is reported, the rest still checked
             report.unreadable_shards[key] = f"{type(exc).__name__}: {exc}"
             continue
-        for sample_id in ids:
-            found[sample_id].append(key)
-        flagged_ids.update(ids[row] for row in flagged)
-        for sample_id in dropped:
-            found[sample_id].append(f"{key} (dropped)")
+        found_in(found, flagged_ids, key, ids, [ids[row] for row in flagged], dropped)
+    for key in sorted(k for k in storage.list(f"{CONSUMED}/{epoch}/") if k.endswith(".json")):
+        if shard_id_of(key) in stored_ids:
+            continue  # deleted after its record was written, or about to be: the file counts
+        try:
+            consumed = ConsumedShard.from_json(storage.read_bytes(key), where=key)
+        except ShardFormatError as exc:
+            report.unreadable_shards[key] = str(exc)
+            continue
+        report.consumed += len(consumed.samples)
+        found_in(found, flagged_ids, f"{key} (consumed)", consumed.samples, consumed.flagged, consumed.dropped)
 
     for record in dead_letters.all():
+        if int(record.kwargs.get("epoch", 0) or 0) > epoch:
+            continue  # a later epoch's failure: this epoch's copy is elsewhere
         sample_ids = record.sample_ids
         if not sample_ids and record.kind in (TASK, SAMPLE):
             sample_ids = enqueued.get(record.shard_id) or expected.get(record.shard_id, [])
         for sample_id in sample_ids:
             found[sample_id].append(f"dead letter {record.id}")
 
-    states = ledger.states(sorted(set(shard_of.values())))
+    shard_ids = sorted(set(shard_of.values()))
+    states = epoch_states(Consumption(ledger.client, config.run.name), ledger, epoch, shard_ids)
     for sample_id in (i for ids in expected.values() for i in ids):
         places = found.get(sample_id, [])
         if not places:

@@ -145,4 +145,38 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
         sys.exit(1)
 
 
-COMMANDS = [enqueue, worker, run]
+@click.command()
+@config_option
+@click.option("--epoch", "number", type=click.IntRange(min=1), default=None,
+              help="The epoch to start; default: the one after the latest started.")
+@click.option("--seed", type=int, default=0, show_default=True,
+              help="Seeds the epoch's order of extraction (a live dataset reads in its own seed's order).")
+@click.option("--resend", is_flag=True,
+              help="Send again the epoch's shards not yet extracted (after a producer that stopped half-way); the "
+              "extract lane skips any stored after all.")
+def epoch(config_path: Path, number: int | None, seed: int, resend: bool) -> None:
+    """Start the next epoch of a run trained while it extracts: every done shard is extracted again from its stored
+    completions (nothing is generated), in an order of its own, into epochs/EPOCH/shards/. It starts once the
+    previous epoch's extraction is over. A live dataset (dflash_queue.live.LiveShards with epochs > 1) starts
+    epochs itself."""
+    from dflash_queue.consumption import Consumption
+    from dflash_queue.ledger import Ledger
+    from dflash_queue.live.epochs import start_epoch
+
+    config = load(config_path)
+    ledger = Ledger.from_url(config.broker.url, config.run.name)
+    consumption = Consumption(ledger.client, config.run.name)
+    if number is None:
+        number = consumption.last_epoch() + (0 if resend else 1)
+        if number == 0:
+            raise click.ClickException("epoch 0 is the run itself: --resend sends a later epoch's shards again")
+    try:
+        report = start_epoch(config, number, seed=seed, consumption=consumption, ledger=ledger, resend=resend)
+    except DflashQueueError as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in report.lines():
+        click.echo(line)
+    sys.exit(0 if report.started else 1)
+
+
+COMMANDS = [enqueue, worker, run, epoch]

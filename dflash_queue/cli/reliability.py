@@ -147,7 +147,9 @@ def dead_purge(config_path, record_ids, lane, exc_type, kind, older_than, newer_
 @click.command()
 @click.argument("datasets", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @config_option
-def verify(datasets: tuple[Path, ...], config_path: Path) -> None:
+@click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The epoch to account for: 0 is the run's shards, later ones were extracted again (`epoch`).")
+def verify(datasets: tuple[Path, ...], config_path: Path, epoch: int) -> None:
     """Check every sample of DATASETS is accounted for exactly once: done, flagged, dropped, filtered or dead.
 
     Lists the missing and the duplicated; exits 1 if there are any.
@@ -155,7 +157,7 @@ def verify(datasets: tuple[Path, ...], config_path: Path) -> None:
     from dflash_queue.verify import verify as run_verify
 
     config = reading_broker(load(config_path), "verify (the ledger and dead letters live on the broker)")
-    report = run_verify(config, list(datasets))
+    report = run_verify(config, list(datasets), epoch=epoch)
     for line in report.lines():
         click.echo(line)
     click.echo("verify: OK" if report.ok else "verify: FAILED", err=True)

@@ -255,9 +255,11 @@ class ExtractLane:
             return
         if self._consumption is None:
             self._consumption = Consumption.from_url(self.config.broker.url, self.config.run.name)
-        deadline = time.monotonic() + WINDOW_WAIT_S
+        # Well within the visibility timeout: a message held longer would be handed to another worker.
+        wait_s = min(WINDOW_WAIT_S, self.config.broker.visibility_timeout_s / 4)
+        deadline = time.monotonic() + wait_s
         while not self._consumption.take_place(epoch, shard_id, size):
-            self._consumption.note_waiting(epoch, shard_id, ttl_s=int(2 * WINDOW_WAIT_S))
+            self._consumption.note_waiting(epoch, shard_id, ttl_s=int(2 * wait_s) + 1)
             if self._stopping.wait(WINDOW_POLL_S):
                 raise WorkerShuttingDown(f"shard {shard_id}: the worker is shutting down while it waits for the window")
             if time.monotonic() > deadline:

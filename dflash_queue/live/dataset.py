@@ -25,24 +25,24 @@ import os
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dflash_queue.config import Config, load_config
-from dflash_queue.consumption import Consumption
+from dflash_queue.consumption import Consumption, epoch_states
 from dflash_queue.ledger import Ledger, resilient_client
-from dflash_queue.live.epochs import epoch_order, epoch_states, start_epoch
+from dflash_queue.live.epochs import epoch_order, start_epoch
 from dflash_queue.shards.consumed import ConsumedShard
-from dflash_queue.shards.keys import consumed_key, epoch_shard_key
+from dflash_queue.shards.keys import consumed_key, epoch_shard_key, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.states import DONE, FAILED
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.training import ShardDataset
+from dflash_queue.training import ShardDataset, collate_padded
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +142,22 @@ class LiveShards:
         shards = self._wait_sealed(epoch)
         return epoch_order(list(shards), self.seed, epoch)[self.rank :: self.world_size]
 
-    def epoch(self, epoch: int, *, part: tuple[int, int] = (0, 1)) -> Iterator[LiveShard]:
+    @overload
+    def epoch(self, epoch: int, *, part: tuple[int, int] = ..., idle: Literal[False] = ...) -> Iterator[LiveShard]: ...
+
+    @overload
+    def epoch(self, epoch: int, *, part: tuple[int, int] = ..., idle: bool) -> Iterator[LiveShard | None]: ...
+
+    def epoch(self, epoch: int, *, part: tuple[int, int] = (0, 1), idle: bool = False) -> Iterator[LiveShard | None]:
         """This rank's shards of `epoch` not yet acknowledged, each as soon as it is stored. `part` (index, count)
-        takes every count-th of them from position index (a DataLoader worker's share)."""
+        takes every count-th of them from position index (a DataLoader worker's share); `idle`: None is yielded
+        each time it is about to wait for a shard."""
         index, count = part
         self._connect()
-        remaining = [s for s in self.assigned(epoch)[index::count] if s not in self._acknowledged(epoch)]
+        mine = self.assigned(epoch)[index::count]
+        acknowledged = self._acknowledged(epoch)
+        self._finish_interrupted(epoch, acknowledged.intersection(mine))
+        remaining = [s for s in mine if s not in acknowledged]
         while remaining:
             self._consumption.seen(self.consumer, self.rank, epoch)
             states = epoch_states(self._consumption, self._ledger, epoch, remaining)
@@ -166,12 +176,16 @@ class LiveShards:
                         yield shard
             if remaining and not served:
                 self._start_due(epoch + 1)
+                if idle:
+                    yield None
                 time.sleep(self.poll_s)
         self._start_due(epoch + 1)
 
-    def samples(self) -> LiveSamples:
-        """The rank's samples as an IterableDataset for a DataLoader with workers (see LiveSamples)."""
-        return LiveSamples(self)
+    def samples(
+        self, batch_size: int, collate_fn: Callable[[list[dict[str, Any]]], Any] = collate_padded
+    ) -> LiveSamples:
+        """The rank's samples in batches, an IterableDataset for a DataLoader with workers (see LiveSamples)."""
+        return LiveSamples(self, batch_size, collate_fn)
 
     # -- acknowledgement
 
@@ -182,15 +196,28 @@ class LiveShards:
         """The shard is consumed by this consumer. Once every registered consumer has it, its place in the window
         is given back and (storage.retention = "until-consumed") its file deleted, its samples recorded."""
         self._connect()
-        if not self._consumption.acknowledge(self.consumer, epoch, shard_id):
-            return
+        if self._consumption.acknowledge(self.consumer, epoch, shard_id):
+            self._release(epoch, shard_id)
+
+    def _release(self, epoch: int, shard_id: str) -> None:
         if self.config.storage.retention == "until-consumed":
             self._delete(epoch, shard_id)
         self._consumption.give_back_place(epoch, shard_id)
 
-    def consumed(self, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[str]:
+    def _finish_interrupted(self, epoch: int, acknowledged: set[str]) -> None:
+        """A rank killed between an acknowledgement and what follows it (the file's deletion, the place given
+        back) finishes that when it starts again."""
+        unfinished = self._consumption.places_held(epoch, sorted(acknowledged))
+        if self.config.storage.retention == "until-consumed":
+            stored = {shard_id_of(key) for key in self._storage.list(epoch_shards_prefix(epoch))}
+            unfinished |= acknowledged & stored
+        for shard_id in sorted(unfinished):
+            if self._consumption.everyone_acknowledged(epoch, shard_id):
+                self._release(epoch, shard_id)
+
+    def consumed(self, batch: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> list[tuple[int, str]]:
         """Count a batch from `samples()` as consumed; acknowledges each shard whose samples all were. Returns the
-        shard ids acknowledged."""
+        (epoch, shard id) of each shard acknowledged."""
         items: list[tuple[int, str, int]]
         if isinstance(batch, Mapping):
             items = list(zip(batch["epoch"], batch["shard_id"], batch["shard_samples"], strict=True))
@@ -204,7 +231,7 @@ class LiveShards:
             if counts[key] == int(total):
                 del counts[key]
                 self.acknowledge(int(epoch), shard_id)
-                acked.append(shard_id)
+                acked.append(key)
         return acked
 
     # -- helpers
@@ -272,22 +299,40 @@ class LiveShards:
 
 
 class LiveSamples(IterableDataset):
-    """The samples of a rank's shards, for a DataLoader with workers: each worker serves every num_workers-th of
-    the rank's shards of each epoch. Items are ShardDataset items with `epoch`, `shard_id` and `shard_samples`
-    (the shard's samples after the filters) added; pass each batch to `LiveShards.consumed` after the step."""
+    """Batches of a rank's samples, for a DataLoader with workers (`DataLoader(live.samples(8), batch_size=None,
+    num_workers=2, in_order=False)`): each worker serves every num_workers-th of the rank's shards of each epoch,
+    `batch_size` samples a batch, a part batch as soon as no shard is ready (a batch that waited for the next shard
+    would keep the window full for ever). Items are ShardDataset items with `epoch`, `shard_id` and
+    `shard_samples` (the shard's samples after the filters) added, collated by `collate_fn`; pass each batch to
+    `LiveShards.consumed` after the step. Keep extract.max_unconsumed_shards at least ranks x loader workers."""
 
-    def __init__(self, live: LiveShards) -> None:
+    def __init__(self, live: LiveShards, batch_size: int, collate_fn: Callable[[list[dict[str, Any]]], Any]) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.live = live
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         part = (info.id, info.num_workers) if info is not None else (0, 1)
+        items: list[dict[str, Any]] = []
         for epoch in range(self.live.epochs):
-            for shard in self.live.epoch(epoch, part=part):
+            for shard in self.live.epoch(epoch, part=part, idle=True):
+                if shard is None:  # about to wait for a shard: what is here goes now
+                    if items:
+                        yield self.collate_fn(items)
+                        items = []
+                    continue
                 if len(shard) == 0:
                     self.live.ack(shard)  # nothing to consume
                     continue
                 for i in range(len(shard)):
                     item = shard[i]
                     item.update(epoch=epoch, shard_id=shard.shard_id, shard_samples=len(shard))
-                    yield item
+                    items.append(item)
+                    if len(items) == self.batch_size:
+                        yield self.collate_fn(items)
+                        items = []
+        if items:
+            yield self.collate_fn(items)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption, settled
+from dflash_queue.consumption import Consumption, epoch_states, settled
 from dflash_queue.ledger import Ledger
 from dflash_queue.states import DONE, FAILED, GENERATED
 
@@ -27,14 +27,6 @@ def epoch_order(shard_ids: Sequence[str], seed: int, epoch: int) -> list[str]:
     order = sorted(shard_ids)
     random.Random(f"{seed}:{epoch}").shuffle(order)
     return order
-
-
-def epoch_states(consumption: Consumption, ledger: Ledger, epoch: int, shard_ids: Sequence[str]) -> dict[str, str]:
-    """Where each shard of the epoch stands (epoch 0: the run's ledger)."""
-    if epoch == 0:
-        return ledger.states(shard_ids)
-    states = consumption.epoch_states(epoch)
-    return {s: states[s] for s in shard_ids if s in states}
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
 from dflash_queue.ledger import DONE, FAILED, Ledger
+from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.redaction import redact
 from dflash_queue.shards.keys import stored_shard_ids
 from dflash_queue.storage import open_storage
@@ -81,6 +82,8 @@ class RunStatus:
     shards_missing: list[str] = field(default_factory=list)
     # Why storage could not be listed (then done is the ledger's word, unverified).
     storage_error: str | None = None
+    # A run trained while it extracts: epoch, window, consumers (None when none of it applies).
+    live: LiveStatus | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -165,6 +168,7 @@ def collect_status(
         unacked = unacked_by_queue(client)
         dead = dead_letters_per_lane(client, config.run.name)
         depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
+        live = collect_live(client, config, now=now)
     finally:
         client.close()
     stored, storage_error = stored_shards(config)
@@ -234,6 +238,7 @@ def collect_status(
         storage=redact(config.storage.url),
         shards_missing=missing,
         storage_error=storage_error,
+        live=live,
     )
 
 

@@ -9,6 +9,7 @@ from rich.text import Text
 from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
+from dflash_queue.ops.live_status import LiveStatus
 from dflash_queue.ops.status import LaneStatus, RunStatus
 from dflash_queue.quality.gate import gate_summary
 
@@ -49,6 +50,8 @@ def status_table(status: RunStatus) -> Group:
         )
     if status.storage_error:
         notes.append(Text(f"storage {status.storage} not checked ({status.storage_error}): done as the ledger says"))
+    if status.live is not None:
+        notes.extend(_live_lines(status.live))
     if status.finished:
         footer = Text("run finished: every shard has passed every lane", style="green")
     elif not any(lane.shards_total for lane in status.lanes.values()):
@@ -120,3 +123,27 @@ def _turns(s: LaneStatus) -> str:
     reasons = {"stop": "stopped", "length": "truncated"}
     parts = [f"{reasons.get(k, k)} {v:,}" for k, v in s.finish_reasons.items()]
     return " · ".join(parts) or "none generated yet"
+
+
+def _live_lines(live: LiveStatus) -> list[Text]:
+    window = f"{live.window_fill} of {live.window_size} shards unconsumed" if live.window_size else "no window"
+    lines = [
+        Text(
+            f"epoch {live.epoch}: {live.epoch_done:,} / {live.epoch_shards:,} shards extracted, {live.epoch_failed} "
+            f"failed · window: {window}"
+        )
+    ]
+    for c in live.consumers:
+        ranks = ", ".join(f"{rank}: {humanize.duration(age)} ago" for rank, age in c.ranks_seen_s.items()) or "none yet"
+        lines.append(
+            Text(
+                f"consumer {c.name} ({c.world_size} ranks): epoch {c.epoch}, {c.acknowledged:,} shards consumed, "
+                f"{c.lag:,} behind · ranks last seen {ranks}",
+                style="yellow" if c.silent_ranks else "",
+            )
+        )
+    if not live.consumers:
+        lines.append(Text("no consumer registered"))
+    if live.waiting:
+        lines.append(Text(live.waiting, style="yellow"))
+    return lines

@@ -31,9 +31,13 @@ def shard_key(shard_id: str) -> str:
     return f"{SHARDS}/{shard_id}.safetensors"
 
 
+def epoch_shards_prefix(epoch: int) -> str:
+    """Epoch 0's training shards are the run's (`shards/`); a later epoch's lie in a folder of their own."""
+    return f"{SHARDS}/" if epoch == 0 else f"{EPOCHS}/{epoch}/{SHARDS}/"
+
+
 def epoch_shard_key(shard_id: str, epoch: int) -> str:
-    """Epoch 0's training shard is the run's (`shards/`); a later epoch's lies in a folder of its own."""
-    return shard_key(shard_id) if epoch == 0 else f"{EPOCHS}/{epoch}/{shard_key(shard_id)}"
+    return f"{epoch_shards_prefix(epoch)}{shard_id}.safetensors"
 
 
 def consumed_key(shard_id: str, epoch: int) -> str:

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from dflash_queue.consumption import Consumption
 from dflash_queue.ledger import Ledger
 from dflash_queue.live import LiveShards
+from dflash_queue.ops.status import WorkerView, collect_status
+from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.storage import open_storage
+from dflash_queue.verify import verify
 from dfq_testing.jobs import dataset_ids, first_lines
+from dfq_testing.polling import wait_until
+from dfq_testing.s3 import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -27,11 +40,12 @@ def stored_training_files(root: Path) -> list[Path]:
 
 
 def live_config(make_config, **overrides):
+    storage = {"retention": "until-consumed", **overrides.pop("storage", {})}
     return make_config(
         dataset={"shard_size": 4, "thinking": "never"},
         generate__sampling={"max_tokens": 8},
         extract={"max_unconsumed_shards": WINDOW},
-        storage={"retention": "until-consumed"},
+        storage=storage,
         **overrides,
     )
 
@@ -87,3 +101,118 @@ def test_two_ranks_train_while_it_extracts_two_epochs_within_the_window(make_con
     assert len(list((storage_root / "completions").glob("*.jsonl"))) == 6
     consumption = Consumption.from_url(redis_url, config.run.name)
     assert consumption.window_fill() == 0
+
+
+def start_trainer(config, log_path: Path, ack_log: Path, *, epochs: int = 2, extra: tuple[str, ...] = (), torchrun: int = 0):
+    command = [str(REPO / "examples" / "train_online.py"), "-c", str(config.source), "--epochs", str(epochs),
+               "--ack-log", str(ack_log), *extra]
+    if torchrun:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+                    "--master-port", str(free_port())]
+    else:
+        launcher = [sys.executable]
+    log = log_path.open("a")
+    return subprocess.Popen([*launcher, *command], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def acks_per_epoch(ack_log: Path) -> dict[int, Counter[str]]:
+    acks: dict[int, Counter[str]] = {}
+    for line in ack_log.read_text().splitlines():
+        entry = json.loads(line)
+        acks.setdefault(entry["epoch"], Counter()).update(entry["samples"])
+    return acks
+
+
+class StorageWatch(threading.Thread):
+    """The most training files storage held at once, looked at every 50 ms."""
+
+    def __init__(self, count) -> None:
+        super().__init__(daemon=True)
+        self.count, self.most, self.stopped = count, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(0.05):
+            self.most = max(self.most, self.count())
+
+
+def test_no_consumer_waits_then_a_trainer_killed_with_an_extract_worker_loses_and_duplicates_nothing(
+    make_config, redis_url, start_worker, tmp_path
+):
+    config = live_config(make_config, broker={"visibility_timeout_s": 12, "task_timeout_s": 10})
+    configure_app(config)
+    dataset = first_lines(SAMPLE, 22, tmp_path / "prompts.jsonl")
+    storage_root = Path(config.storage.url)
+    watch = StorageWatch(lambda: len(stored_training_files(storage_root)))
+    watch.start()
+    generate = start_worker(config, "generate")
+    extract = start_worker(config, "extract")
+    Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([dataset])
+
+    # No consumer: the window fills, extraction waits, and status says why.
+    def waiting():
+        status = collect_status(config, workers=WorkerView())
+        return status if status.live and status.live.waiting else None
+
+    status = wait_until(waiting, 120, "extraction waiting on the window", [generate, extract])
+    console = Console(width=200, record=True)
+    console.print(status_table(status))
+    shown = console.export_text()
+    assert f"window: {WINDOW} of {WINDOW} shards unconsumed" in shown and "no consumer is registered" in shown, shown
+    time.sleep(3)
+    assert len(stored_training_files(storage_root)) == WINDOW
+
+    # A trainer (a DataLoader worker reads the shards) killed mid-epoch, and the extract worker with it.
+    ack_log = tmp_path / "acks.jsonl"
+    trainer_log = tmp_path / "trainer.log"
+    trainer = start_trainer(config, trainer_log, ack_log, extra=("--num-workers", "1", "--step-delay", "0.3"))
+    wait_until(lambda: ack_log.exists() and len(ack_log.read_text().splitlines()) >= 2, 180, "two shards acknowledged",
+               [generate, extract])
+    os.killpg(trainer.pid, signal.SIGKILL)
+    trainer.wait()
+    extract.kill()
+    extract = start_worker(config, "extract")
+    trainer = start_trainer(config, trainer_log, ack_log, extra=("--num-workers", "1"))
+    try:
+        trainer.wait(timeout=150)
+    except subprocess.TimeoutExpired:
+        import psutil
+        for proc in [psutil.Process(trainer.pid), *psutil.Process(trainer.pid).children(recursive=True)]:
+            print(subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout)
+        from dflash_queue.consumption import Consumption as C
+        c = C.from_url(redis_url, config.run.name)
+        print("window", c.client.smembers(c.window_key), "e1", c.epoch_shards(1), "acked0", c.acknowledged("toy-drafter", 0), "states", Ledger.from_url(redis_url, config.run.name).states())
+        print(sorted(str(p) for p in storage_root.rglob("*")))
+        raise
+    assert trainer.returncode == 0, trainer_log.read_text()[-3000:]
+    watch.stopped.set()
+
+    acks = acks_per_epoch(ack_log)
+    for epoch in (0, 1):
+        report = verify(config, [dataset], epoch=epoch)
+        assert report.ok, report.lines()
+        assert report.consumed == report.done > 0
+        assert set(acks[epoch].values()) == {1} and sum(acks[epoch].values()) == report.done, epoch
+    assert watch.most <= WINDOW
+    assert stored_training_files(storage_root) == []
+
+
+def test_torchrun_ranks_train_on_a_live_run_in_s3(make_config, redis_url, start_worker, tmp_path, s3_tables):
+    config = live_config(make_config, storage=s3_tables["storage"], storage__s3=s3_tables["storage.s3"])
+    configure_app(config)
+    dataset = first_lines(SAMPLE, 22, tmp_path / "prompts.jsonl")
+    workers = [start_worker(config, "generate"), start_worker(config, "extract")]
+    Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([dataset])
+    ack_log = tmp_path / "acks.jsonl"
+    trainer_log = tmp_path / "trainer.log"
+    trainer = start_trainer(config, trainer_log, ack_log, torchrun=2, extra=("--num-workers", "0"))
+    assert trainer.wait(timeout=400) == 0, trainer_log.read_text()[-3000:] + workers[1].log_tail()
+
+    acks = acks_per_epoch(ack_log)
+    ranks = Counter((json.loads(line)["rank"], json.loads(line)["epoch"]) for line in ack_log.read_text().splitlines())
+    assert ranks == {(0, 0): 3, (1, 0): 3, (0, 1): 3, (1, 1): 3}
+    storage = open_storage(config.storage)
+    assert not [k for k in storage.list("") if k.endswith(".safetensors")]
+    for epoch in (0, 1):
+        report = verify(config, [dataset], epoch=epoch)
+        assert report.ok and report.consumed == report.done == sum(acks[epoch].values()), report.lines()
+        assert set(acks[epoch].values()) == {1}
