@@ -117,6 +117,12 @@ def check_engine_args(engine_args: Mapping[str, Any], refused: Mapping[str, str]
                     f"speculative_config.{name}",
                     f"not a field of vLLM's SpeculativeConfig{_nearest(name, spec_fields)}",
                 )
+        if spec.get("rejection_sample_method") == "synthetic":
+            raise key_error(
+                "speculative_config.rejection_sample_method",
+                "'synthetic' accepts drafts at fixed rates, not by the target's probabilities: the replies would "
+                "not be the target's",
+            )
     quantization = engine_args.get("quantization")
     if isinstance(quantization, str):
         methods = _quantization_methods()

@@ -74,6 +74,9 @@ def test_any_engine_argument_reaches_the_engines_of_both_lanes(load):
         ("generate", {"speculative_config": {**NGRAM, "num_speculative_token": 2}},
          r"generate.vllm.engine_args.speculative_config.num_speculative_token: not a field of vLLM's "
          r"SpeculativeConfig; did you mean num_speculative_tokens\?"),
+        ("generate", {"speculative_config": {**NGRAM, "rejection_sample_method": "synthetic"}},
+         r"generate.vllm.engine_args.speculative_config.rejection_sample_method: 'synthetic' accepts drafts at "
+         r"fixed rates"),
         ("extract", {"quantization": "fp88"},
          r"extract.vllm.engine_args.quantization: 'fp88' is not a quantization method .*did you mean fp8\?"),
     ],
