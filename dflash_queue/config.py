@@ -25,6 +25,7 @@ from dflash_queue.engines.config import (
     SamplingConfig,
     VllmConfig,
 )
+from dflash_queue.engines.vllm_args import NESTED_KEY_ERROR, output_args
 from dflash_queue.errors import ConfigError
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
@@ -128,7 +129,19 @@ class Config(Section):
                 "final_norm_state": self.extract.final_norm_state,
                 "last_layer_state": self.extract.last_layer_state,
             },
+            # Only present when set, so that configs without them keep the fingerprint they had.
+            **{f"{lane}.vllm.engine_args": args for lane, args in self.engine_output_args().items()},
         }
+
+    def engine_output_args(self) -> dict[str, dict[str, Any]]:
+        """Per lane whose engine is vLLM, the engine_args that may change its outputs (speculative decoding,
+        quantization, KV-cache dtype, ...: all but vllm_args.OPERATIONAL); lanes with none left out."""
+        found = {}
+        if self.generate.engine == "vllm":
+            found["generate"] = output_args(self.generate.vllm.engine_args)
+        if self.extract.engine == "vllm":
+            found["extract"] = output_args(self.extract.vllm.engine_args)
+        return {lane: args for lane, args in found.items() if args}
 
     @property
     def retry_max_tokens(self) -> int:
@@ -284,9 +297,14 @@ def _check_cross_section(config: Config) -> None:
 def _describe(exc: ValidationError, source: str) -> str:
     lines = [f"{source}: invalid configuration"]
     for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"]) or "<top level>"
+        loc = list(error["loc"])
+        if error["type"] == NESTED_KEY_ERROR:  # a key inside a table (engine_args): named as a dotted key too
+            loc.append(error["ctx"]["key"])
+        key = ".".join(str(part) for part in loc) or "<top level>"
         message = error["msg"]
-        if error["type"] == "extra_forbidden":
+        if error["type"] == NESTED_KEY_ERROR:
+            pass
+        elif error["type"] == "extra_forbidden":
             message = "unknown key"
         elif error["type"] == "missing":
             message = "required key is missing"

@@ -13,7 +13,11 @@
 #   (b) the canary's cost: bench_extract.py reruns samples alone after the timed part (through the model's own
 #       attention, or as a batch of one through vLLM) and prints their time per token over the batched one;
 #   (c) vLLM against Transformers in bfloat16: the worst relative error per layer over every sample of the
-#       first round (bench_extract.py's agreement line).
+#       first round (bench_extract.py's agreement line);
+#   (d) generation tokens/s with and without speculative decoding (tools/bench_speculative.py, on the dense
+#       checkpoint): n-gram drafting on prompts where drafts are rejected (its overhead) and on repetitive prompts
+#       (where they are accepted), with the acceptance vLLM counted. Random weights have no trained MTP head, so
+#       MTP's speed-up is not measured: its acceptance would mean nothing.
 #
 # Environment: a Python with CUDA torch, vLLM and this package ($PYTHON, else $DFQ_GPU_VENV, default
 # .cache/venv-gpu, created when missing). When it lacks them, `pip install 'vllm>=0.32,<0.33'` (the GPU build,
@@ -136,5 +140,10 @@ step build-hybrid 90 "$PY" tools/build_random_checkpoint.py --like examples/qwen
   --layers 8 --vocab-size 32768 --set vision_config.depth=1 --device cuda --out "$CKPT/qwen3.6-27b-8l" \
   && step bench-hybrid 170 "$PY" "${BENCH[@]}" --model "$CKPT/qwen3.6-27b-8l" --layer-ids 1,3,5,6,7 \
     --shards 1 --shard-size 64 --rounds 1 --out "$WORK/bench-hybrid"
+
+if [[ $ENGINES == *vllm* ]] && [ -d "$CKPT/qwen3-32b-6l" ]; then
+  step bench-speculative 150 "$PY" tools/bench_speculative.py --model "$CKPT/qwen3-32b-6l" --device cuda \
+    --prompts 256 --prompt-len 512 --max-tokens 256 --k 3
+fi
 
 log "gpu check done in $(elapsed) s; results in $RESULTS"

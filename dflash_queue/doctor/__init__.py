@@ -15,9 +15,11 @@ from dflash_queue.doctor.disk import check_free_disk
 from dflash_queue.doctor.gpu import GpuInfo, check_gpus, read_gpus
 from dflash_queue.doctor.model import check_model, check_thinking_template
 from dflash_queue.doctor.result import Check
+from dflash_queue.doctor.speculative import check_speculative
 from dflash_queue.doctor.storage import check_configured_storage
 from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
+from dflash_queue.engines.vllm_args import speculative_method
 from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 
 GpuReader = Callable[[], tuple[list[GpuInfo], list[str], str | None]]
@@ -56,6 +58,8 @@ def run_doctor(
     checks += check_versions(vllm_needed_by=list(tensor_parallel))
     if config.extract.engine == "vllm":
         checks += _extract_engine_checks(config)
+    if speculative_method(config.generate.vllm.engine_args):
+        checks += _generate_engine_checks(config)
     gpus, arch_list, torch_cuda = gpu_reader()
     checks += check_gpus(
         gpus,
@@ -69,6 +73,18 @@ def run_doctor(
     for label, path in writable_dirs(config).items():
         checks.append(check_free_disk(label, path, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb))
     return checks
+
+
+def _generate_engine_checks(config: Config) -> list[Check]:
+    """The generate lane's speculative decoding; none when the model's config does not load."""
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model.path)
+    except Exception:
+        return []
+    check = check_speculative(config, model_config)
+    return [check] if check else []
 
 
 def _extract_engine_checks(config: Config) -> list[Check]:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from dflash_queue.engines.vllm_args import EXTRACT_REFUSED, GENERATE_REFUSED, check_engine_args, speculative_method
 from dflash_queue.settings import LayerIds, PositiveFloat, PositiveInt, Section, StrTuple
 
 
@@ -56,6 +57,21 @@ class VllmEngineSettings(Section):
     """How long shutdown waits for vLLM's processes to exit before killing them."""
     env: dict[EnvName, str] = Field(default_factory=dict)
     """Environment for vLLM, set before it starts (e.g. VLLM_CPU_OMP_THREADS_BIND = "nobind" on CPU)."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Any other of vLLM's engine arguments (`AsyncEngineArgs` fields), checked against the installed vLLM when the
+    config loads: e.g. speculative_config = { method = "mtp", num_speculative_tokens = 2 }, quantization = "fp8",
+    kv_cache_dtype = "fp8". Keys this section or the project sets are refused, saying where they are set. Every key
+    but a few that only change speed, memory or logging (vllm_args.OPERATIONAL) enters the run's fingerprint and
+    the training shards' metadata; docs/vllm.md says what each changes."""
+
+    # engine_args keys the project sets itself in this lane, and why.
+    refused_engine_args: ClassVar[dict[str, str]] = {}
+
+    @field_validator("engine_args")
+    @classmethod
+    def _known_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        check_engine_args(value, cls.refused_engine_args)
+        return value
 
 
 class VllmConfig(VllmEngineSettings):
@@ -73,6 +89,8 @@ class VllmConfig(VllmEngineSettings):
     inflight_tasks: PositiveInt = 3
     """Tasks a worker runs at once against its one engine. More than one keeps the engine full while a shard's
     slowest sequences finish: the other shards' waiting requests take the freed slots."""
+
+    refused_engine_args: ClassVar[dict[str, str]] = GENERATE_REFUSED
 
 
 # KV-cache dtypes that quantize the cache: the target's attention then reads quantized keys and values, and every
@@ -110,6 +128,8 @@ class ExtractVllmConfig(VllmEngineSettings):
     host when its process died); it holds the states of the sequences finished but not yet written to the
     shard, a few sequences at a time."""
 
+    refused_engine_args: ClassVar[dict[str, str]] = EXTRACT_REFUSED
+
     @field_validator("pipeline_parallel_size")
     @classmethod
     def _no_pipeline_parallelism(cls, value: int) -> int:
@@ -146,6 +166,13 @@ class GenerateConfig(Section):
             raise ValueError(
                 f"generate.sampling.max_tokens ({self.sampling.max_tokens}) must be below "
                 f"generate.vllm.max_model_len ({limit}), which also holds the prompt"
+            )
+        method = speculative_method(self.vllm.engine_args)
+        if self.engine == "vllm" and method and self.sampling.min_p:
+            raise ValueError(
+                f"generate.sampling.min_p ({self.sampling.min_p}) is ignored by vLLM under speculative decoding "
+                f"(generate.vllm.engine_args.speculative_config, method {method!r}): set it to 0 or drop the "
+                "speculative_config"
             )
         return self
 

@@ -29,7 +29,7 @@ ABORT_WAIT_S = 5.0
 
 
 def common_engine_args(config: Config, settings: VllmEngineSettings) -> dict[str, Any]:
-    """`AsyncEngineArgs` keywords both lanes set the same way from their `vllm` section."""
+    """`AsyncEngineArgs` keywords both lanes set the same way from their `vllm` section, engine_args included."""
     args: dict[str, Any] = {
         "model": config.model.path,
         "tokenizer": config.model.tokenizer_path,
@@ -50,6 +50,8 @@ def common_engine_args(config: Config, settings: VllmEngineSettings) -> dict[str
     if is_multimodal(config.model.path):
         # Prompts here are text: no image or video inputs, so vLLM neither profiles nor reserves memory for them.
         args["language_model_only"] = True
+    # Checked when the config loaded: none of them is a key set above or by a lane (vllm_args refuses those).
+    args.update(settings.engine_args)
     return args
 
 

@@ -141,6 +141,7 @@ class ExtractLane:
             hidden_size=extractor.hidden_size,
             dtype=config.extract.hidden_dtype,
             config_fingerprint=config.fingerprint(),
+            engine_args=config.engine_output_args(),
             versions=versions(extractor.name),
         )
         self._compute = threading.Semaphore(extractor.concurrent_tasks)

@@ -63,6 +63,9 @@ class ShardInfo:
     # One per layer id; empty means every entry is a decoder layer's output.
     layer_states: tuple[str, ...] = ()
     extraction: str = "packed"
+    # Per lane run on vLLM, the engine arguments that may change its outputs (speculative decoding, quantization,
+    # KV-cache dtype, ...); empty when there are none.
+    engine_args: dict[str, dict[str, Any]] = field(default_factory=dict)
     # The faults the test suite had installed while the shard was made (dflash_queue/faults.py); empty in production.
     injected_faults: dict[str, Any] = field(default_factory=dict)
 
@@ -84,6 +87,7 @@ class ShardInfo:
             "config_fingerprint": self.config_fingerprint,
             "versions": json.dumps(self.versions, sort_keys=True),
             "extraction": self.extraction,
+            **({"engine_args": json.dumps(self.engine_args, sort_keys=True)} if self.engine_args else {}),
             **({"injected_faults": json.dumps(self.injected_faults, sort_keys=True)} if self.injected_faults else {}),
         }
 

@@ -1,18 +1,29 @@
 """The Transformers and vLLM engines end replies the same way: at the model's end-of-sequence token, right after
 the token that completes a stop string, or at the budget; neither keeps a token the model did not produce (the
-pad id that `generate` fills a finished row with is often an end-of-sequence id too)."""
+pad id that `generate` fills a finished row with is often an end-of-sequence id too). And vLLM with n-gram
+speculative decoding generates the same greedy replies as without it, through the generate lane."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.config import load_config
-from dflash_queue.data.samples import Message
+from dflash_queue.data.readers import read_dataset
+from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerationRequest
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
+from dflash_queue.lanes.generate import GenerateLane
+from dflash_queue.shards.completions import decode_completions
+from dflash_queue.shards.keys import completions_key, prompts_key
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
+from dflash_queue.storage import open_storage
 from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
+
+SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 
 TOPICS = ["rivers", "code", "the moon", "tea", "graphs", "rain", "salt", "maps", "ice", "wind", "trains", "clocks",
           "bees", "glass", "paper"]
@@ -68,17 +79,65 @@ def test_the_transformers_engine_keeps_only_what_the_model_produced(config, requ
     assert all(g.completion_ids[-1] != engine.pad_id or g.completion_ids[-1] in engine.eos_ids for g in generations)
 
 
-@pytest.mark.vllm
-def test_vllm_and_transformers_end_greedy_replies_alike(config, requests_):
+@pytest.fixture(scope="module")
+def vllm_engine(config):
     from dflash_queue.engines.vllm_generate import VllmGenerateEngine
 
+    engine = VllmGenerateEngine(config)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.vllm
+def test_vllm_and_transformers_end_greedy_replies_alike(config, requests_, vllm_engine):
     hf = TransformersGenerateEngine(config.with_overrides(generate={"engine": "transformers", "batch_size": 16}))
     expected = hf.generate(requests_)
     hf.close()
-    vllm = VllmGenerateEngine(config)
-    try:
-        got = vllm.generate(requests_)
-    finally:
-        vllm.close()
+    got = vllm_engine.generate(requests_)
     check_ends(got, "vllm", hf.tokenizer, set(hf.eos_ids), hf.pad_id)
     assert [(g.completion_ids, g.finish_reason) for g in got] == [(e.completion_ids, e.finish_reason) for e in expected]
+
+
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+
+
+def spec_decode_counts() -> dict[str, float]:
+    """vLLM's speculative-decoding counters in this process (drafts, draft tokens, accepted tokens)."""
+    from vllm.v1.metrics.reader import Counter, get_metrics_snapshot
+
+    return {m.name: m.value for m in get_metrics_snapshot() if isinstance(m, Counter) and "spec_decode" in m.name}
+
+
+@pytest.mark.vllm
+def test_ngram_speculative_decoding_leaves_greedy_replies_unchanged_through_the_lane(config, vllm_engine, tmp_path):
+    from dflash_queue.engines.vllm_generate import VllmGenerateEngine
+
+    storage = open_storage(str(tmp_path / "storage"))
+    samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:16]
+    shard_id = prompt_shard_id(samples)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    # Statistics on: vLLM counts drafts and accepted tokens only then.
+    settings = {**config.generate.vllm.model_dump(), "engine_args": {"speculative_config": ngram},
+                "log_stats_interval_s": 3600}  # fmt: skip
+    speculative = config.with_overrides(generate={"vllm": settings})
+    assert speculative.fingerprint() != config.fingerprint()
+
+    replies, accepted = {}, {}
+    for name in ("plain", "ngram"):
+        storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
+        engine = vllm_engine if name == "plain" else VllmGenerateEngine(speculative)
+        try:
+            before = spec_decode_counts()
+            assert not GenerateLane(speculative if engine is not vllm_engine else config, engine, storage).run(
+                shard_id).skipped
+            accepted[name] = spec_decode_counts().get(ACCEPTED, 0) - before.get(ACCEPTED, 0)
+        finally:
+            if engine is not vllm_engine:
+                engine.close()
+        records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=name)
+        replies[name] = [(r.id, r.prompt_ids, r.completion_ids, r.finish_reason) for r in records]
+        storage.delete(completions_key(shard_id))
+    # Drafts were proposed and accepted, so the comparison compares something.
+    assert accepted["ngram"] > 0 and accepted["plain"] == 0, accepted
+    assert replies["ngram"] == replies["plain"]
+    assert len({tuple(r[2]) for r in replies["plain"]}) > len(samples) // 2  # distinct replies, not one repeated
