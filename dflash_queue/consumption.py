@@ -74,6 +74,17 @@ class Consumption:
             epoch += 1
         return epoch
 
+    def record_stored(self, epoch: int, shard_id: str) -> int:
+        """The shard's position in the order its epoch's shards were stored, given once (a shard stored twice keeps
+        its first). Ranks take shards by position, round robin: whichever shard is stored next goes to the next
+        rank, so no rank waits on a shard while the window is full of the others'."""
+        return int(self.client.eval(_RECORD_STORED, 2, self._epoch_key(epoch, "stored"), self._epoch_key(epoch, "count"), shard_id))
+
+    def stored_since(self, epoch: int, position: int) -> list[tuple[str, int]]:
+        """(shard id, position) of the epoch's shards stored at `position` and after, in order."""
+        found = self.client.zrange(self._epoch_key(epoch, "stored"), position, "+inf", byscore=True, withscores=True)
+        return [(shard_id, int(score)) for shard_id, score in found]
+
     def set_epoch_state(self, epoch: int, shard_id: str, state: str, error: str = "") -> None:
         """A later epoch's shard state (epoch 0's are the ledger's)."""
         pipe = self.client.pipeline()
@@ -176,6 +187,14 @@ def settled(state: str | None) -> bool:
     """A shard whose extraction is over: stored, or failed for good."""
     return state in (DONE, FAILED)
 
+
+_RECORD_STORED = """
+local known = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if known then return tonumber(known) end
+local position = redis.call('INCR', KEYS[2]) - 1
+redis.call('ZADD', KEYS[1], position, ARGV[1])
+return position
+"""
 
 _TAKE_PLACE = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end

@@ -10,9 +10,12 @@ window (extract.max_unconsumed_shards) with storage.retention = "until-consumed"
 or, under a DataLoader with workers, `live.samples()` (one sample at a time, the rank's shards spread over the
 loader's workers) with `live.consumed(batch)` after each step (a shard is acknowledged once all its samples were).
 
-Each epoch's shards are split over `world_size` ranks the same way in every process (a seeded order of the epoch,
-then every world_size-th shard from position `rank`): no shard twice in an epoch, ranks' counts differ by at most
-one. A rank serves its shards as they become ready and ends the epoch when each is consumed or failed for good.
+Each epoch's shards are split over `world_size` ranks in the order they are stored (recorded once in the broker,
+so every process splits them alike): the shard stored n-th goes to rank n % world_size. No shard is served twice
+in an epoch, ranks' counts differ by at most one, and whichever shard is stored next goes to the next rank, so
+ranks that train in step never wait on each other's shards while the window is full. The order an epoch is
+extracted in is its own: a later epoch's is a seeded shuffle (`seed`). A rank ends the epoch once every shard of
+it is stored or failed for good and its own are consumed.
 The consumer's acknowledgements live in the broker: a rank restarted after a kill serves what it had not
 acknowledged, and only that. A later epoch starts (its extraction enqueued) as soon as the previous one's
 extraction is over, by whichever rank sees it first.
@@ -35,7 +38,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dflash_queue.config import Config, load_config
 from dflash_queue.consumption import Consumption, epoch_states
 from dflash_queue.ledger import Ledger, resilient_client
-from dflash_queue.live.epochs import epoch_order, start_epoch
+from dflash_queue.live.epochs import start_epoch
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import consumed_key, epoch_shard_key, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.ranges import open_source
@@ -104,6 +107,7 @@ class LiveShards:
         self.failed: dict[int, list[str]] = {}
         self._pid = -1
         self._registered = False
+        self._gone: set[str] = set()  # shards deleted before this consumer registered
 
     # -- process-local connections (a DataLoader worker opens its own)
 
@@ -137,10 +141,10 @@ class LiveShards:
         for epoch in range(self.epochs):
             yield from self.epoch(epoch)
 
-    def assigned(self, epoch: int) -> list[str]:
-        """This rank's shards of `epoch`, in the epoch's order (waits until the epoch is sealed)."""
-        shards = self._wait_sealed(epoch)
-        return epoch_order(list(shards), self.seed, epoch)[self.rank :: self.world_size]
+    def mine(self, position: int, part: tuple[int, int] = (0, 1)) -> bool:
+        """Whether the shard stored `position`-th in its epoch is this rank's (and this part's of it)."""
+        index, count = part
+        return position % self.world_size == self.rank and (position // self.world_size) % count == index
 
     @overload
     def epoch(self, epoch: int, *, part: tuple[int, int] = ..., idle: Literal[False] = ...) -> Iterator[LiveShard]: ...
@@ -150,35 +154,40 @@ class LiveShards:
 
     def epoch(self, epoch: int, *, part: tuple[int, int] = (0, 1), idle: bool = False) -> Iterator[LiveShard | None]:
         """This rank's shards of `epoch` not yet acknowledged, each as soon as it is stored. `part` (index, count)
-        takes every count-th of them from position index (a DataLoader worker's share); `idle`: None is yielded
-        each time it is about to wait for a shard."""
-        index, count = part
+        takes every count-th of them (a DataLoader worker's share); `idle`: None is yielded each time it is about
+        to wait for a shard."""
         self._connect()
-        mine = self.assigned(epoch)[index::count]
+        total = len(self._wait_sealed(epoch))
         acknowledged = self._acknowledged(epoch)
-        self._finish_interrupted(epoch, acknowledged.intersection(mine))
-        remaining = [s for s in mine if s not in acknowledged]
-        while remaining:
+        positions: dict[str, int] = {}
+        remaining: list[str] = []
+        finished_interrupted = False
+        while True:
             self._consumption.seen(self.consumer, self.rank, epoch)
-            states = epoch_states(self._consumption, self._ledger, epoch, remaining)
+            for shard_id, position in self._consumption.stored_since(epoch, len(positions)):
+                positions[shard_id] = position
+                if self.mine(position, part) and shard_id not in acknowledged:
+                    remaining.append(shard_id)
+            if not finished_interrupted:
+                mine = {s for s, position in positions.items() if self.mine(position, part)}
+                self._finish_interrupted(epoch, acknowledged & mine)
+                finished_interrupted = True
             served = False
             for shard_id in list(remaining):
-                state = states.get(shard_id)
-                if state == FAILED:
+                shard = self._open(epoch, shard_id)
+                if shard is not None or shard_id in self._gone:
                     remaining.remove(shard_id)
-                    self.failed.setdefault(epoch, []).append(shard_id)
-                    warnings.warn(f"epoch {epoch}: shard {shard_id} failed to extract; left out (see `dflash-queue dead`)", stacklevel=2)
-                elif state == DONE:
-                    shard = self._open(epoch, shard_id)
-                    if shard is not None:
-                        remaining.remove(shard_id)
-                        served = True
-                        yield shard
-            if remaining and not served:
-                self._start_due(epoch + 1)
-                if idle:
-                    yield None
-                time.sleep(self.poll_s)
+                if shard is not None:
+                    served = True
+                    yield shard
+            if served:
+                continue
+            if not remaining and len(positions) + len(self._failed(epoch, positions)) >= total:
+                break
+            self._start_due(epoch + 1)
+            if idle:
+                yield None
+            time.sleep(self.poll_s)
         self._start_due(epoch + 1)
 
     def samples(
@@ -236,6 +245,23 @@ class LiveShards:
 
     # -- helpers
 
+    def _failed(self, epoch: int, stored: Mapping[str, int]) -> list[str]:
+        """The epoch's shards whose extraction failed for good (left out); a done shard stored before its position
+        was recorded gets one now."""
+        shards = self._consumption.epoch_shards(epoch) or {}
+        unstored = [s for s in shards if s not in stored]
+        states = epoch_states(self._consumption, self._ledger, epoch, unstored)
+        for shard_id in unstored:
+            if states.get(shard_id) == DONE:
+                self._consumption.record_stored(epoch, shard_id)
+        failed = sorted(s for s in unstored if states.get(s) == FAILED)
+        known = self.failed.setdefault(epoch, [])
+        for shard_id in failed:
+            if shard_id not in known:
+                known.append(shard_id)
+                log.warning("epoch %d: shard %s failed to extract; left out (see `dflash-queue dead`)", epoch, shard_id)
+        return failed
+
     def _acknowledged(self, epoch: int) -> set[str]:
         return self._consumption.acknowledged(self.consumer, epoch)
 
@@ -278,6 +304,7 @@ class LiveShards:
                     stacklevel=3,
                 )
                 self._consumption.acknowledge(self.consumer, epoch, shard_id)
+                self._gone.add(shard_id)
             return None  # done in the ledger, not yet in storage: looked for again
         shard.epoch = epoch
         shard.shard_id = shard_id

@@ -31,7 +31,7 @@ from dflash_queue.errors import (
     WindowFull,
     WorkerShuttingDown,
 )
-from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary, lane_of_task
+from dflash_queue.lanes.registry import FINAL_LANE, LANES, LaneSpec, LaneSummary, lane_of_task
 from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
 from dflash_queue.queue.runtime import WorkerRuntime
@@ -216,6 +216,8 @@ def run_lane_task(
         _count_once(rt, task, spec.name, shard_id, redo, epoch, counts)
     for name, value in summary.maxima().items():
         rt.ledger.record_max(name, value)
+    if spec is FINAL_LANE:
+        rt.consumption.record_stored(epoch, shard_id)  # a live dataset's ranks take shards in this order
     if epoch:
         rt.consumption.set_epoch_state(epoch, shard_id, spec.finished_state)
     else:

@@ -172,17 +172,7 @@ def test_no_consumer_waits_then_a_trainer_killed_with_an_extract_worker_loses_an
     extract.kill()
     extract = start_worker(config, "extract")
     trainer = start_trainer(config, trainer_log, ack_log, extra=("--num-workers", "1"))
-    try:
-        trainer.wait(timeout=150)
-    except subprocess.TimeoutExpired:
-        import psutil
-        for proc in [psutil.Process(trainer.pid), *psutil.Process(trainer.pid).children(recursive=True)]:
-            print(subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(proc.pid)], capture_output=True, text=True).stdout)
-        from dflash_queue.consumption import Consumption as C
-        c = C.from_url(redis_url, config.run.name)
-        print("window", c.client.smembers(c.window_key), "e1", c.epoch_shards(1), "acked0", c.acknowledged("toy-drafter", 0), "states", Ledger.from_url(redis_url, config.run.name).states())
-        print(sorted(str(p) for p in storage_root.rglob("*")))
-        raise
+    trainer.wait(timeout=300)
     assert trainer.returncode == 0, trainer_log.read_text()[-3000:]
     watch.stopped.set()
 
