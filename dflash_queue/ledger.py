@@ -199,6 +199,8 @@ class Ledger:
 
     def reset(self) -> None:
         buckets = list(self.client.scan_iter(match=f"{self.rate_prefix}*", count=1000))
+        # A live dataset's state (epochs, window, consumers) belongs to the run started over.
+        buckets += list(self.client.scan_iter(match=f"{self.prefix}:live:*", count=1000))
         self.client.delete(
             self.states_key,
             self.sizes_key,

@@ -108,6 +108,8 @@ class LiveShards:
         self._pid = -1
         self._registered = False
         self._gone: set[str] = set()  # shards deleted before this consumer registered
+        # Registered at once: a shard is deleted only once every consumer registered has acknowledged it.
+        self._connect()
 
     # -- process-local connections (a DataLoader worker opens its own)
 

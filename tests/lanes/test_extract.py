@@ -9,13 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_queue.consumption import Consumption
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.errors import WorkerShuttingDown
+from dflash_queue.errors import WindowFull, WorkerShuttingDown
+from dflash_queue.lanes import extract as extract_lane
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
-from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
+from dflash_queue.shards.consumed import ConsumedShard
+from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
+from dflash_queue.shards.ranges import open_source
+from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import LocalStorage, open_storage
 
@@ -112,4 +117,34 @@ def test_after_shutdown_began_a_task_gives_up_before_the_engine(completed_on_s3)
     with pytest.raises(WorkerShuttingDown, match=f"shard {shard_ids[0]}: the worker is shutting down"):
         lane.run(shard_ids[0])
     assert extractor.calls == 0 and not storage.exists(shard_key(shard_ids[0]))
+    lane.close()
+
+
+def test_the_window_holds_extraction_back_and_a_consumed_shard_is_never_made_again(
+    completed_on_s3, make_config, s3_tables, redis_url, monkeypatch
+):
+    _, storage, (first, second, _) = completed_on_s3
+    config = make_config("window.toml", **s3_tables, extract={"max_unconsumed_shards": 1})
+    monkeypatch.setattr(extract_lane, "WINDOW_WAIT_S", 1.0)
+    extractor = ObservedExtractor(build_extractor(config))
+    lane = ExtractLane(config, extractor, storage)
+    consumption = Consumption.from_url(redis_url, config.run.name)
+
+    assert not lane.run(first).skipped and consumption.window_fill() == 1
+    with pytest.raises(WindowFull, match=f"shard {second} \\(epoch 0\\): 1 shards wait"):
+        lane.run(second)
+    assert extractor.calls == 1 and not storage.exists(shard_key(second))
+    assert consumption.waiting()["shard"] == second
+
+    # Epoch 1's copy of the first shard was consumed and deleted: a late re-delivery does not make it again.
+    with storage.local_copy(shard_key(first)) as path:
+        index = ShardIndex.load(open_source(LocalStorage(path.parent), path.name))
+    record = ConsumedShard.of(index, first, 1, ["trainer"])
+    storage.write_bytes(consumed_key(first, 1), record.to_json())
+    summary = lane.run(first, epoch=1)
+    assert summary.skipped and summary.num_samples == 4 and extractor.calls == 1
+    assert not storage.exists(epoch_shard_key(first, 1))
+
+    consumption.give_back_place(0, first)
+    assert not lane.run(second).skipped and storage.exists(shard_key(second))
     lane.close()
