@@ -11,6 +11,7 @@ shard's ledger state); a sample found in two places is duplicated.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,7 +22,10 @@ from dflash_queue.consumption import Consumption, epoch_states
 from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.ledger import Ledger
+from dflash_queue.lanes.registry import LANES
+from dflash_queue.ledger import FAILED, Ledger
+from dflash_queue.liveness import HeldMessage, Liveness
+from dflash_queue.messages import message_places
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import CONSUMED, PROMPTS, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
@@ -95,6 +99,35 @@ def found_in(
     flagged_ids.update(flagged)
     for sample_id in dropped:
         found[sample_id].append(f"{where} (dropped)")
+
+
+@dataclass(frozen=True)
+class MissingHints:
+    """What will bring a missing shard back, from where its message is (a queue, a worker, a dead worker, nowhere)."""
+
+    places: dict[str, str]
+    held_by_dead: dict[str, HeldMessage]
+
+    @classmethod
+    def read(cls, client, config: Config) -> MissingHints:
+        dead = Liveness(client, config.run.name, config.broker.worker_liveness_s).held_by_dead()
+        return cls(message_places(client, [spec.queue for spec in LANES.values()]), {m.shard_id: m for m in dead})
+
+    def why(self, shard_id: str, state: str, epoch: int) -> str:
+        held = self.held_by_dead.get(shard_id)
+        if held is not None:
+            back_in = max(0, round(held.back_by() - time.time()))
+            return (
+                f"its {held.queue} task is held by {held.node}, a worker whose heartbeat stopped: a live worker puts "
+                f"it back on the queue within {back_in} s"
+            )
+        if shard_id in self.places:
+            return f"{self.places[shard_id]}: done when that lane's workers get to it"
+        if state == FAILED:
+            return "failed and its dead letter purged: `dflash-queue enqueue` sends it again"
+        if epoch:
+            return "no message for it in the broker: `dflash-queue epoch --resend` sends it again"
+        return "no message for it in the broker: `dflash-queue enqueue --rebuild` sends it again"
 
 
 def expected_shards(config: Config, datasets: Iterable[str | Path], report: VerifyReport) -> dict[str, list[str]]:
@@ -197,13 +230,17 @@ def verify(
 
     shard_ids = sorted(set(shard_of.values()))
     states = epoch_states(Consumption(ledger.client, config.run.name), ledger, epoch, shard_ids)
+    hints: MissingHints | None = None
     for sample_id in (i for ids in expected.values() for i in ids):
         places = found.get(sample_id, [])
         if not places:
             shard_id = shard_of.get(sample_id)
-            report.missing[sample_id] = (
-                f"shard {shard_id} ({states.get(shard_id, 'unknown')})" if shard_id else "not enqueued"
-            )
+            if shard_id is None:
+                report.missing[sample_id] = "not enqueued"
+                continue
+            hints = hints or MissingHints.read(ledger.client, config)
+            state = states.get(shard_id, "unknown")
+            report.missing[sample_id] = f"shard {shard_id} ({state}; {hints.why(shard_id, state, epoch)})"
             continue
         if len(places) > 1:
             report.duplicated[sample_id] = places

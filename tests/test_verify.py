@@ -82,7 +82,8 @@ def test_verify_finds_missing_duplicated_and_accounts_for_the_rest(make_config, 
     result = CliRunner().invoke(main, ["verify", str(dataset), "-c", config.source])
     assert result.exit_code == 1
     assert "missing: 4" in result.output and "duplicated: 1" in result.output
-    assert f"missing {shards[2][0]}: shard {third} (queued)" in result.output
+    assert f"missing {shards[2][0]}: shard {third} (queued; no message for it in the broker: `dflash-queue enqueue " \
+        "--rebuild` sends it again)" in result.output
     places = ", ".join(sorted(f"shards/{i}.safetensors" for i in (first, second)))
     assert f"duplicated {shards[1][0]}: {places}" in result.output
 

@@ -21,6 +21,7 @@ from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
 from dflash_queue.ledger import DONE, FAILED, Ledger
+from dflash_queue.liveness import Liveness
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.redaction import redact
 from dflash_queue.shards.keys import stored_shard_ids
@@ -57,6 +58,10 @@ class LaneStatus:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     eta_s: float | None = None
+    # Messages held by workers whose heartbeat stopped (killed, lost with their node), and in how many seconds at
+    # most a live worker puts them back on the queue.
+    held_by_dead: int = 0
+    held_back_in_s: float | None = None
     # Samples recomputed alone by the canary, and the worst relative error any of them showed (a lane that
     # checks its states).
     canary_samples: int = 0
@@ -169,6 +174,7 @@ def collect_status(
         dead = dead_letters_per_lane(client, config.run.name)
         depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
         live = collect_live(client, config, now=now)
+        held = Liveness(client, config.run.name, config.broker.worker_liveness_s).held_by_dead()
     finally:
         client.close()
     stored, storage_error = stored_shards(config)
@@ -221,6 +227,13 @@ def collect_status(
             status.eta_s = 0.0
         elif shard_rate > 0:
             status.eta_s = len(pending) / shard_rate
+        dead_held = [m for m in held if m.queue == spec.queue]
+        if dead_held:
+            # Those shards wait at least until they are put back: no ETA says less.
+            status.held_by_dead = len(dead_held)
+            status.held_back_in_s = max(0.0, max(m.back_by() for m in dead_held) - now)
+            if status.eta_s is not None:
+                status.eta_s = max(status.eta_s, status.held_back_in_s)
         lanes[name] = status
 
     etas = [lane.eta_s for lane in lanes.values()] if states else [None]

@@ -79,7 +79,10 @@ def _workers(s: LaneStatus) -> str:
 
 def _in_flight(s: LaneStatus) -> str:
     running = "?" if s.running is None else f"{s.running}"
-    return f"{running} running, {s.reserved} unacked"
+    shown = f"{running} running, {s.reserved} unacked"
+    if s.held_by_dead:
+        shown += f" ({s.held_by_dead} held by a dead worker, back in {humanize.duration(s.held_back_in_s)})"
+    return shown
 
 
 def _tokens(s: LaneStatus) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from typing import Annotated
+
+from pydantic import Field, model_validator
 
 from dflash_queue.settings import PositiveFloat, PositiveInt, Section
 
@@ -15,6 +17,10 @@ class BrokerConfig(Section):
     worker. It must exceed the longest task."""
     task_timeout_s: PositiveInt = 2 * 3600
     """The longest a task may take; warm shutdown waits this long (plus a margin) for a running task."""
+    worker_liveness_s: Annotated[int, Field(ge=3)] = 30
+    """A worker's heartbeat (a key refreshed every third of this) expires this long after the worker stops: the
+    messages it held (running or reserved) are then put back on their queues by any live worker within about
+    1.3 times this, instead of after visibility_timeout_s."""
     max_deliveries: PositiveInt = 3
     """A task delivered more often than this (its worker died each time: OOM-kill, segfault, SIGKILL) goes to the
     dead letters instead of taking down one more worker."""

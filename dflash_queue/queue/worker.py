@@ -40,6 +40,7 @@ from dflash_queue.doctor.broker import durability_warnings
 from dflash_queue.lanes.registry import lane
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import LaneApp, configure_app
+from dflash_queue.queue.heartbeat import Heartbeat
 from dflash_queue.queue.runtime import WorkerRuntime
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.checks import require_storage
@@ -90,8 +91,8 @@ def run_worker(
         dead_letters=DeadLetters.from_url(config.broker.url, config.run.name),
         storage=storage,
     )
-    _attach(app, rt)
     node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
+    _attach(app, rt, Heartbeat(app, config.broker.url, config.run.name, node, config.broker.worker_liveness_s))
     code = app.start(
         [
             "worker",
@@ -111,18 +112,24 @@ def run_worker(
     return code or 0
 
 
-def _attach(app: LaneApp, rt: WorkerRuntime) -> None:
-    """Hand the runtime to the app's tasks; warm shutdown tells the lanes, worker shutdown releases the engines."""
+def _attach(app: LaneApp, rt: WorkerRuntime, heartbeat: Heartbeat) -> None:
+    """Hand the runtime to the app's tasks; the heartbeat starts once the worker consumes; warm shutdown tells the
+    lanes, worker shutdown (once tasks in flight finished) stops the heartbeat and releases the engines."""
     app.worker_runtime = rt
+
+    def start_heartbeat(**_kwargs) -> None:
+        heartbeat.start()
 
     def begin_shutdown(**_kwargs) -> None:
         rt.begin_shutdown()
 
     def release_engines(**_kwargs) -> None:
+        heartbeat.stop()
         if app.worker_runtime is rt:
             app.worker_runtime = None
             log.info("releasing engines")
             rt.close()
 
+    signals.worker_ready.connect(start_heartbeat, weak=False)
     signals.worker_shutting_down.connect(begin_shutdown, weak=False)
     signals.worker_shutdown.connect(release_engines, weak=False)

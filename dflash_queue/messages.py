@@ -1,0 +1,51 @@
+"""Where each shard's message is in the broker: waiting in a lane's queue, or taken by a worker and not yet
+acknowledged (kombu's `unacked` hash). Read from Redis as kombu stores it, for `verify` to say what will bring a
+missing sample back."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from kombu.transport.redis import Channel
+
+# kombu's priority sub-queues of a queue ("queue", "queue\x06\x163", ...).
+PRIORITY_STEPS = Channel.priority_steps
+
+
+def shard_of_message(raw: str | bytes) -> str | None:
+    """The shard id (first argument) of a Celery task message as kombu keeps it in Redis; None if unreadable."""
+    try:
+        payload = json.loads(raw)
+        if isinstance(payload, list):  # an unacked entry: [message, exchange, routing key]
+            payload = payload[0]
+        body = payload["body"]
+        if payload.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return str(args[0]) if args else None
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def message_places(client: Any, queues: Iterable[str]) -> dict[str, str]:
+    """shard id -> "waiting in the {queue} queue" or "taken by a worker ({queue} lane)" for every message found."""
+    places: dict[str, str] = {}
+    for raw in client.hvals(Channel.unacked_key):
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, IndexError, TypeError):
+            routing_key = "?"
+        shard_id = shard_of_message(raw)
+        if shard_id:
+            places[shard_id] = f"taken by a worker ({routing_key} lane)"
+    for queue in queues:
+        for priority in PRIORITY_STEPS:
+            name = f"{queue}{Channel.sep}{priority}" if priority else queue
+            for raw in client.lrange(name, 0, -1):
+                shard_id = shard_of_message(raw)
+                if shard_id:
+                    places.setdefault(shard_id, f"waiting in the {queue} queue")
+    return places
