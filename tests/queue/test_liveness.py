@@ -38,6 +38,8 @@ def test_a_killed_workers_messages_come_back_after_its_heartbeat_not_the_visibil
     doomed = start_worker(config, "generate", env={ENV: json.dumps({"task_delay_s": 30})})
     report = Producer(config, ledger).enqueue([dataset])
     wait_for_unacked(redis_url, "generate")
+    # Killed once its task has begun (its delivery counted), not while the message waits in the worker's prefetch.
+    wait_until(lambda: delivery_counts(redis_url, config.run.name) == [1], 60, "the doomed worker's task started")
     doomed.kill()
     killed_at = time.monotonic()
 
