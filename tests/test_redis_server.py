@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from dflash_queue import redis_server
 from dflash_queue.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
 
 
