@@ -29,12 +29,14 @@ from dflash_queue.engines.vllm_args import NESTED_KEY_ERROR, output_args
 from dflash_queue.errors import ConfigError
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
-from dflash_queue.queue.config import BrokerConfig
+from dflash_queue.queue.config import PASSWORD_ENV, PASSWORD_FILE_ENV, BrokerConfig
 from dflash_queue.settings import Section
 from dflash_queue.storage.config import S3Config, StorageConfig, UploaderConfig
 
 __all__ = [
     "BROKER_URL_ENV",
+    "PASSWORD_ENV",
+    "PASSWORD_FILE_ENV",
     "STORAGE_URL_ENV",
     "BrokerConfig",
     "Config",
@@ -236,6 +238,7 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     resolve("storage", "url", url=True)
     resolve("run", "state_dir")
     resolve("flower", "db")
+    resolve("broker", "password_file")
     storage = raw.get("storage")
     uploader = storage.get("uploader") if isinstance(storage, dict) else None
     if isinstance(uploader, dict) and isinstance(uploader.get("staging_dir"), str) and uploader["staging_dir"]:
@@ -262,6 +265,14 @@ def _reject_credentials(raw: dict[str, Any], source: str) -> None:
             walk(value, dotted)
 
     walk(raw.get("storage"), "storage")
+    broker = raw.get("broker")
+    for key in broker if isinstance(broker, dict) else ():
+        if _CREDENTIAL_KEY.search(str(key)) and key != "password_file":
+            raise ConfigError(
+                f"{source}: invalid configuration\n  broker.{key}: the broker's password is never read from the "
+                f"config file; set {PASSWORD_ENV}, or name a file holding it in {PASSWORD_FILE_ENV} or "
+                "broker.password_file"
+            )
 
 
 def _validate(raw: dict[str, Any], source: str, *, check_paths: bool) -> Config:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.settings import Section
 
 HEADER = f"""# Configuration reference
@@ -25,7 +25,8 @@ Generated from the configuration models (`dflash_queue/*/config.py`, assembled i
 One TOML file per deployment. Unknown keys, wrong types and impossible values fail at load with the file and
 the dotted key. Relative paths resolve against the config file. `{BROKER_URL_ENV}` and `{STORAGE_URL_ENV}`
 override `broker.url` and `storage.url`. Credentials never go in the file (S3: the AWS chain; Flower:
-`FLOWER_BASIC_AUTH`).
+`FLOWER_BASIC_AUTH`; the broker: `{PASSWORD_ENV}`, or a file named by `{PASSWORD_FILE_ENV}` or
+`broker.password_file`).
 """
 
 

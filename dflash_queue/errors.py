@@ -9,6 +9,10 @@ class ConfigError(DflashQueueError):
     """The configuration cannot be used; the message names the file and the key."""
 
 
+class BrokerLoginRefused(ConfigError):
+    """The broker refuses the configured user or password (or the user lacks commands workers need)."""
+
+
 class UnsupportedArchitecture(ConfigError):
     """The target cannot be run exactly by the extraction engine; the message names the model type and what is
     missing. Raised at load, before any task is taken."""

@@ -1,4 +1,5 @@
-"""A private redis-server for single-box runs and tests: loopback only, AOF on, never evicting."""
+"""A private redis-server for single-box runs and tests: loopback only, AOF on, never evicting; optionally with a
+password and ACL users, given on its standard input (never on its command line, which `ps` shows)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,32 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import redis
 
 # A redis-server binary to use instead of looking for one.
 REDIS_SERVER_ENV = "DFQ_REDIS_SERVER"
+
+# A worker's least rights (ACL rules after `user NAME on >PASSWORD`): every key and channel, every command but
+# the dangerous ones (FLUSHALL, FLUSHDB, KEYS, CONFIG, DEBUG, SHUTDOWN, MONITOR, SORT, MIGRATE, ...), which
+# Celery, kombu and this package never send, except INFO: the workers' start-up durability check (AOF and
+# eviction policy, doctor/broker.py) reads it. Kombu needs lists, sorted sets, hashes, MULTI/EXEC, Lua
+# (EVAL/EVALSHA, SCRIPT LOAD for its locks) and pub/sub (events, broadcast commands); SCAN is not dangerous.
+WORKER_ACL_RULES = "~* &* +@all -@dangerous +info"
+
+
+def conf_quoted(value: str) -> str:
+    """`value` as one redis.conf argument, whatever it holds (quotes, spaces, backslashes)."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r") + '"'
+
+
+def acl_user_line(name: str, password: str, rules: str) -> str:
+    """A redis.conf `user` directive: `name` logs in with `password` and may do what `rules` allow."""
+    if not name or not password:
+        raise ValueError("an ACL user needs a name and a password")
+    return f"user {conf_quoted(name)} on {conf_quoted('>' + password)} {rules}"
 
 
 def find_redis_server() -> str:
@@ -54,11 +75,33 @@ def free_port() -> int:
 class RedisServer:
     """Starts, stops and restarts one redis-server process whose data lives in `directory`."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, port: int | None = None, appendonly: bool = True) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        port: int | None = None,
+        appendonly: bool = True,
+        password: str | None = None,
+        users: Mapping[str, str] | None = None,
+    ) -> None:
+        """`password`: the default user's (`requirepass`); `users`: ACL users with a worker's least rights
+        (`WORKER_ACL_RULES`), name -> password."""
         self.directory = Path(directory)
         self.port = port or free_port()
         self.appendonly = appendonly
+        self.password = password
+        self.users = dict(users or {})
         self.process: subprocess.Popen[bytes] | None = None
+
+    def _secret_config(self) -> str:
+        """The settings that hold passwords, as redis.conf lines: written to the server's stdin."""
+        lines = []
+        if self.password is not None:
+            if not self.password:
+                raise ValueError("the broker password must not be empty")
+            lines.append(f"requirepass {conf_quoted(self.password)}")
+        lines += [acl_user_line(name, password, WORKER_ACL_RULES) for name, password in self.users.items()]
+        return "".join(line + "\n" for line in lines)
 
     @property
     def url(self) -> str:
@@ -68,6 +111,7 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         args = [
             find_redis_server(),
+            "-",  # the rest of the config (passwords) comes on stdin
             "--bind", "127.0.0.1",
             "--port", str(self.port),
             "--dir", str(self.directory),
@@ -78,15 +122,27 @@ class RedisServer:
             "--protected-mode", "yes",
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
+        self.process = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        assert self.process.stdin is not None
+        try:
+            with self.process.stdin:
+                self.process.stdin.write(self._secret_config().encode())
+        except BrokenPipeError:
+            pass  # it exited at once: said below
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_connect_timeout=0.5)
         deadline = time.monotonic() + timeout
         while True:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
                 log_file = self.directory / "redis.log"
                 log_tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err}{log_tail}")
+                # A config error quotes the offending line, which may hold a password.
+                said = f"{err}{log_tail}"
+                for secret in filter(None, [self.password, *self.users.values()]):
+                    said = said.replace(secret, "***")
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {said}")
             try:
                 if client.ping():
                     # Still loading the AOF answers LOADING errors, not PONG, so a PONG means ready.

@@ -23,6 +23,15 @@ def private_broker_dir(config: Config) -> Path:
     return Path(config.run.state_dir) / "redis"
 
 
+def private_server(config: Config) -> RedisServer:
+    """The run's private redis-server (not started), asking for the broker's password when one is set (the
+    default user's, and broker.username's as a least-rights worker user), so workers log in as they would
+    anywhere else."""
+    password = config.broker.password()
+    users = {config.broker.username: password} if password is not None and config.broker.username else {}
+    return RedisServer(private_broker_dir(config), password=password, users=users)
+
+
 def record_url(directory: Path, url: str) -> None:
     """`run`: the URL of its private server, for the commands above while it runs."""
     (directory / URL_FILE).write_text(url + "\n", encoding="utf-8")
@@ -32,7 +41,8 @@ def forget_url(directory: Path) -> None:
     (directory / URL_FILE).unlink(missing_ok=True)
 
 
-def _answering(url: str) -> bool:
+def _answering(config: Config, url: str) -> bool:
+    url = config.with_overrides(broker={"url": url}).broker.connection_url()
     try:
         return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1).ping())
     except redis.RedisError:
@@ -53,7 +63,7 @@ def broker_for_reading(config: Config, what: str) -> Iterator[Config]:
     directory = private_broker_dir(config)
     url_file = directory / URL_FILE
     live = url_file.read_text(encoding="utf-8").strip() if url_file.is_file() else ""
-    if live and _answering(live):
+    if live and _answering(config, live):
         yield config.with_overrides(broker={"url": live})
         return
     if not _has_data(directory):
@@ -61,7 +71,7 @@ def broker_for_reading(config: Config, what: str) -> Iterator[Config]:
             f"{config.source}: broker.url is empty and {directory} holds no data of a `dflash-queue run` job: {what} "
             "reads the broker; set broker.url (or DFQ_BROKER_URL)"
         )
-    server = RedisServer(directory).start()
+    server = private_server(config).start()
     try:
         yield config.with_overrides(broker={"url": server.url})
     finally:

@@ -20,8 +20,7 @@ from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
-from dflash_queue.redis_server import RedisServer
-from dflash_queue.run_broker import forget_url, private_broker_dir, record_url
+from dflash_queue.run_broker import forget_url, private_server, record_url
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 from dflash_queue.staging import EnqueueReport, checked_formatter
 
@@ -118,7 +117,7 @@ def run_single_box(
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         if not config.broker.url:
-            server = RedisServer(private_broker_dir(config)).start()
+            server = private_server(config).start()
             stack.callback(server.stop)
             # status, dead and verify find it there while the run is up (and its data after: run_broker.py)
             record_url(server.directory, server.url)
@@ -133,7 +132,7 @@ def run_single_box(
                 console.print(f"requeued {restored} unfinished task(s) of an earlier run")
         else:
             configure_app(config)
-        ledger = Ledger.from_url(config.broker.url, config.run.name)
+        ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
         # A run name or storage made with other settings is refused before any worker loads a model.
         producer = Producer(config, ledger, formatter=formatter)
         producer.claim_run(rebuild=rebuild)

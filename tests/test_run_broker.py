@@ -8,12 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import redis
 from click.testing import CliRunner
 
 from dflash_queue.cli import main
 from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
 from dflash_queue.redis_server import RedisServer
-from dflash_queue.run_broker import forget_url, private_broker_dir, record_url
+from dflash_queue.run_broker import forget_url, private_broker_dir, private_server, record_url
 
 REPO = Path(__file__).resolve().parent
 DATASET = REPO.parent / "examples" / "sharegpt_sample.jsonl"
@@ -63,3 +65,25 @@ def test_no_broker_and_no_run_data_is_said_without_a_traceback(make_config):
         assert result.exit_code == 1 and "Traceback" not in result.output
         assert "broker.url is empty and" in result.output and "holds no data of a `dflash-queue run` job" \
             in result.output
+
+
+def test_with_a_broker_password_the_private_server_asks_for_it(make_config, tmp_path, monkeypatch):
+    (tmp_path / "broker.password").write_text("run-Secret-3\n")
+    config = make_config(broker={"url": "", "username": "worker", "password_file": str(tmp_path / "broker.password")})
+    server = private_server(config).start()  # as `run` starts it
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(server.url).ping()
+        live = config.with_overrides(broker={"url": server.url})
+        DeadLetters.from_url(live.broker.connection_url(), config.run.name).add(dead_letter("guarded"))
+        record_url(server.directory, server.url)
+        listed = invoke("dead", "list", "--json", "-c", config.source)
+        forget_url(server.directory)
+    finally:
+        server.stop()
+    assert listed.exit_code == 0, listed.output
+    assert [r["shard_id"] for r in json.loads(listed.stdout)] == ["guarded"]
+    assert "run-Secret-3" not in (private_broker_dir(config) / "redis.log").read_text()
+    # After the run, the server started on its data asks for the password too.
+    after = invoke("dead", "list", "--json", "-c", config.source)
+    assert after.exit_code == 0 and [r["shard_id"] for r in json.loads(after.stdout)] == ["guarded"]

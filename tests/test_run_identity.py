@@ -27,7 +27,7 @@ def queued(url: str) -> int:
 
 def enqueue(config, **kwargs):
     configure_app(config)
-    return Producer(config, Ledger.from_url(config.broker.url, config.run.name)).enqueue([SAMPLE], **kwargs)
+    return Producer(config, Ledger.from_url(config.broker.connection_url(), config.run.name)).enqueue([SAMPLE], **kwargs)
 
 
 def other_model(tiny_model: Path, tmp_path: Path) -> Path:

@@ -195,7 +195,7 @@ def through_queue(
     )
     try:
         worker.wait_ready(app, timeout=600)
-        ledger = Ledger.from_url(config.broker.url, config.run.name)
+        ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
         started = time.perf_counter()
         report = Producer(config, ledger).enqueue([dataset])
         wait_for_states(ledger, report.shard_ids, {GENERATED}, timeout=7200, workers=[worker], poll_s=0.01)

@@ -215,7 +215,7 @@ class Pipeline:
     def __init__(self, config: Config, env: dict[str, str], logs: Path) -> None:
         self.config = config
         self.app = configure_app(config)
-        self.ledger = Ledger.from_url(config.broker.url, config.run.name)
+        self.ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
         self.workers = [
             WorkerProcess(lane, Path(config.source), env, logs / f"{lane}.log", hostname=f"{lane}@bench")
             for lane in ("generate", "extract")

@@ -132,7 +132,7 @@ def time_extraction(
 
     storage = open_storage(config.storage)
     app = configure_app(config)
-    ledger = Ledger.from_url(config.broker.url, config.run.name)
+    ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
 
     def one_pass(selected: list[tuple[str, int]]) -> float:
         for key in list(storage.list(SHARDS + "/")):

@@ -41,7 +41,7 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     console = Console(stderr=True)
-    ledger = Ledger.from_url(config.broker.url, config.run.name)
+    ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
     try:
         producer = Producer(config, ledger)
     except ConfigError as exc:  # a thinking policy the template cannot honour: nothing staged
@@ -164,7 +164,7 @@ def epoch(config_path: Path, number: int | None, seed: int, resend: bool) -> Non
     from dflash_queue.live.epochs import start_epoch
 
     config = load(config_path)
-    ledger = Ledger.from_url(config.broker.url, config.run.name)
+    ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
     consumption = Consumption(ledger.client, config.run.name)
     if number is None:
         number = consumption.last_epoch() + (0 if resend else 1)

@@ -164,7 +164,7 @@ def _measured(config):
             "--measured reads the run's counters from the broker: set broker.url (or DFQ_BROKER_URL)"
         )
     try:
-        counters = Ledger.from_url(config.broker.url, config.run.name).counters()
+        counters = Ledger.from_url(config.broker.connection_url(), config.run.name).counters()
     except redis.RedisError as exc:
         raise click.ClickException(f"broker {config.broker.url}: {exc}") from None
     run = measured_from_counters(counters)

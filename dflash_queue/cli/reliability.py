@@ -43,7 +43,7 @@ def _open(config_path: Path):
     from dflash_queue.deadletters import DeadLetters
 
     config = reading_broker(load(config_path), "dead (dead letters live on the broker)")
-    return config, DeadLetters.from_url(config.broker.url, config.run.name)
+    return config, DeadLetters.from_url(config.broker.connection_url(), config.run.name)
 
 
 def _select(dead, ids, lane, exc_type, kind, older_than, newer_than):
@@ -115,7 +115,7 @@ def dead_requeue(config_path, record_ids, lane, exc_type, kind, older_than, newe
     for record_id in sorted(missing):
         click.echo(f"gone: {record_id}: no such dead letter (or filtered out)", err=True)
     app = configure_app(config)
-    ledger = Ledger.from_url(config.broker.url, config.run.name)
+    ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
     for outcome in requeue(config, store, ledger, records, celery_send(app), dry_run=dry_run):
         click.echo(outcome.line())
 

@@ -48,7 +48,7 @@ def run_doctor(
     fail_below_gb: float = 1.0,
     gpu_reader: GpuReader = read_gpus,
 ) -> list[Check]:
-    checks = list(check_broker(config.broker.url))
+    checks = list(check_broker(config.broker.connection_url()))
     checks += check_configured_storage(config.storage)
     model_checks, tokenizer = check_model(config)
     checks += model_checks

@@ -1,11 +1,83 @@
-"""The broker: reachable, persistent (AOF), and never evicting (queued messages are data)."""
+"""The broker: reachable, closed to clients without a password unless on loopback, persistent (AOF), and never
+evicting (queued messages are data)."""
 
 from __future__ import annotations
+
+import ipaddress
+import socket
+from urllib.parse import urlsplit
 
 import redis
 
 from dflash_queue.doctor.result import Check
 from dflash_queue.redaction import redact
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this machine only; no host (a unix socket) is."""
+    if not host or host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+
+
+def password_verdict(host: str, needs_password: bool) -> Check:
+    """A broker that answers clients without a password is open to anyone who reaches its address: fine on
+    loopback, not on an address other machines reach (they could read, delete or forge the queued work)."""
+    if needs_password:
+        return Check.passed("broker password", "the broker refuses clients without a password")
+    if is_loopback(host):
+        return Check.passed("broker password", f"no password needed, but {host or 'a unix socket'} is loopback only")
+    return Check.warned(
+        "broker password",
+        f"the broker at {host} answers without a password: anyone who reaches it can read, delete or forge the "
+        "queued work. Set requirepass or a worker ACL user, and the password in DFQ_BROKER_PASSWORD or a file "
+        "(see docs/operations.md, Securing the broker)",
+    )
+
+
+def needs_password(url: str, *, timeout_s: float = 5.0) -> bool:
+    """Whether the broker at `url` refuses a client that gives no user and no password."""
+    parts = urlsplit(url)
+    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+    client = redis.Redis.from_url(bare, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    try:
+        client.ping()
+    except redis.AuthenticationError:
+        return True
+    finally:
+        client.close()
+    return False
+
+
+def login_error(url: str, *, timeout_s: float = 5.0) -> str | None:
+    """Why the broker refuses these credentials (wrong password, no password given, a user without the
+    rights workers need), None when it accepts them or does not answer (the connection's retries report
+    that). The message never holds the password."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    user = urlsplit(url).username
+    who = f"user {user!r}" if user else "the default user"
+    try:
+        client.ping()
+    except redis.AuthenticationError as exc:
+        return f"broker {redact(url)} refuses {who}: {exc} (check DFQ_BROKER_PASSWORD, DFQ_BROKER_PASSWORD_FILE, " \
+            "broker.password_file and broker.username)"
+    except redis.exceptions.NoPermissionError as exc:
+        return f"broker {redact(url)}: {who} may not run the commands workers need: {exc}"
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return None
 
 
 def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:
@@ -29,6 +101,10 @@ def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:
     finally:
         client.close()
     checks = [Check.passed("broker reachable", f"redis {server.get('redis_version', '?')} at {where}")]
+    try:
+        checks.append(password_verdict(urlsplit(url).hostname or "", needs_password(url, timeout_s=timeout_s)))
+    except redis.RedisError as exc:
+        checks.append(Check.warned("broker password", f"{where}: cannot tell: {type(exc).__name__}: {exc}"))
 
     if int(persistence.get("aof_enabled", 0)) == 1:
         checks.append(Check.passed("broker AOF", "appendonly yes: queued messages survive a Redis restart"))

@@ -255,7 +255,7 @@ class ExtractLane:
         if not size:
             return
         if self._consumption is None:
-            self._consumption = Consumption.from_url(self.config.broker.url, self.config.run.name)
+            self._consumption = Consumption.from_url(self.config.broker.connection_url(), self.config.run.name)
         # Well within the visibility timeout: a message held longer would be handed to another worker.
         wait_s = min(WINDOW_WAIT_S, self.config.broker.visibility_timeout_s / 4)
         deadline = time.monotonic() + wait_s

@@ -123,7 +123,7 @@ class LiveShards:
     def _connect(self) -> None:
         if self._pid == os.getpid():
             return
-        client = resilient_client(self.config.broker.url)
+        client = resilient_client(self.config.broker.connection_url())
         self._consumption = Consumption(client, self.config.run.name)
         self._ledger = Ledger(client, self.config.run.name)
         self._storage: Storage = open_storage(self.config.storage)

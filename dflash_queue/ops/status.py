@@ -161,7 +161,7 @@ def collect_status(
     """A snapshot of the run. `workers` skips the control broadcast (given by a caller that already asked)."""
     now = time.time() if now is None else now
     # Redis first: an unreachable broker fails here, fast, instead of inside a control broadcast that retries.
-    client = redis.Redis.from_url(config.broker.url, decode_responses=True, socket_connect_timeout=5)
+    client = redis.Redis.from_url(config.broker.connection_url(), decode_responses=True, socket_connect_timeout=5)
     try:
         ledger = Ledger(client, config.run.name)
         counters = ledger.counters()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
 from dflash_queue.ops.gpus import instance_name
@@ -201,6 +201,10 @@ def env_file_text(config: Config, *, flower_password: str | None = None) -> str:
             f"# {BROKER_URL_ENV} and {STORAGE_URL_ENV} override broker.url and storage.url of the config.",
             f"{BROKER_URL_ENV}={broker}",
             f"{STORAGE_URL_ENV}={config.storage.url}",
+            "# The broker's password (never in the config or the URL), or a file holding it; the user is",
+            "# broker.username. Leave them commented out for a broker without a password (loopback only).",
+            f"#{PASSWORD_ENV}=",
+            f"#{PASSWORD_FILE_ENV}=/etc/dflash-queue/broker.password",
             "# S3 credentials for s3:// storage; leave them commented out to use an instance role.",
             "#AWS_ACCESS_KEY_ID=",
             "#AWS_SECRET_ACCESS_KEY=",

@@ -43,7 +43,7 @@ def celery_settings(config: Config) -> dict:
         "health_check_interval": 25,
     }
     return {
-        "broker_url": config.broker.url,
+        "broker_url": config.broker.connection_url(),
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,

@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote, urlsplit, urlunsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from dflash_queue.errors import ConfigError
+from dflash_queue.redaction import redact
 from dflash_queue.settings import PositiveFloat, PositiveInt, Section
+
+# Where the broker's password comes from, first found first: the password itself, a file holding it, then
+# broker.password_file. Never from the config file, which is copied to every node.
+PASSWORD_ENV = "DFQ_BROKER_PASSWORD"
+PASSWORD_FILE_ENV = "DFQ_BROKER_PASSWORD_FILE"
 
 
 class BrokerConfig(Section):
     url: str = ""
-    """Empty: `dflash-queue run` starts a private redis-server; workers need a URL."""
+    """Empty: `dflash-queue run` starts a private redis-server; workers need a URL. No password here: it comes
+    from DFQ_BROKER_PASSWORD, DFQ_BROKER_PASSWORD_FILE or broker.password_file."""
+    username: str = ""
+    """Redis ACL user to log in as (a least-rights worker user, see docs/operations.md); empty: Redis's default
+    user (`requirepass`)."""
+    password_file: str = ""
+    """File holding the broker's password (its first line; read when connecting). DFQ_BROKER_PASSWORD, else
+    DFQ_BROKER_PASSWORD_FILE, take precedence. Empty, and neither set: no password."""
     visibility_timeout_s: PositiveInt = 4 * 3600
     """Redis has no lease a running task can extend: an unacked message older than this is handed to another
     worker. It must exceed the longest task."""
@@ -37,6 +55,62 @@ class BrokerConfig(Section):
                 f"visibility_timeout_s ({self.visibility_timeout_s}) must exceed task_timeout_s "
                 f"({self.task_timeout_s}), or running tasks are re-delivered to other workers"
             )
-        if self.url and not self.url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
-            raise ValueError(f"url must be a redis:// or rediss:// URL, got {self.url!r}")
         return self
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url_without_credentials(cls, url: str) -> str:
+        if url and not url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
+            raise ValueError(f"url must be a redis:// or rediss:// URL, got {redact(url)!r}")
+        parts = urlsplit(url)
+        if parts.password is not None:
+            # Not even the URL goes in the message: it holds the password.
+            raise ValueError(
+                f"url holds a password: it would be copied with the config file and shown wherever the URL is. "
+                f"Put the password in {PASSWORD_ENV}, in a file named by {PASSWORD_FILE_ENV} or "
+                "broker.password_file, and the user (if any) in broker.username"
+            )
+        if parts.username:
+            raise ValueError(
+                f"url names a user ({parts.username!r}): put it in broker.username, the password in "
+                f"{PASSWORD_ENV}, {PASSWORD_FILE_ENV} or broker.password_file"
+            )
+        return url
+
+    def password(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The broker's password: DFQ_BROKER_PASSWORD, else the file DFQ_BROKER_PASSWORD_FILE or
+        broker.password_file name (read now, its first line); None when none is set. ConfigError naming the
+        file and where it was named when it cannot be read."""
+        environ: Mapping[str, str] = os.environ if env is None else env
+        if environ.get(PASSWORD_ENV):
+            return environ[PASSWORD_ENV]
+        for origin, path in ((PASSWORD_FILE_ENV, environ.get(PASSWORD_FILE_ENV, "")),
+                             ("broker.password_file", self.password_file)):
+            if path:
+                return _read_password(path, origin)
+        return None
+
+    def connection_url(self, env: Mapping[str, str] | None = None) -> str:
+        """`url` with the user and password put in (percent-encoded): what clients connect with. Never shown:
+        display `url`, which holds neither."""
+        password = self.password(env)
+        if not self.url or (password is None and not self.username):
+            return self.url
+        parts = urlsplit(self.url)
+        userinfo = quote(self.username, safe="")
+        if password is not None:
+            userinfo += ":" + quote(password, safe="")
+        return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))
+
+
+def _read_password(path: str, origin: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ConfigError(f"{origin}: cannot read the broker password from {path}: {reason}") from None
+    lines = text.splitlines()
+    password = lines[0] if lines else ""
+    if not password:
+        raise ConfigError(f"{origin}: the broker password file {path} is empty")
+    return password

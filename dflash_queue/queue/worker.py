@@ -36,7 +36,8 @@ from celery import signals
 from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
-from dflash_queue.doctor.broker import durability_warnings
+from dflash_queue.doctor.broker import durability_warnings, login_error
+from dflash_queue.errors import BrokerLoginRefused
 from dflash_queue.lanes.registry import lane
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import LaneApp, configure_app
@@ -78,21 +79,27 @@ def run_worker(
     # start-up warnings and the engine's loading carry a level and a time.
     logging.basicConfig(level=loglevel.upper(), format=WORKER_LOG_FORMAT)
     app = configure_app(config)
+    broker_url = config.broker.connection_url()
+    # Celery retries a refused login for ever, as it would a broker that is down: a wrong password stops the
+    # worker here instead, saying so.
+    refused = login_error(broker_url)
+    if refused:
+        raise BrokerLoginRefused(refused)
     concurrency = concurrency or spec.default_slots(config)
-    for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(config.broker.url)]:
+    for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(broker_url)]:
         log.warning("%s", warning)
     storage = open_checked_storage(config)
     log.info("loading the %s engine for %s", spec.name, config.model.display_name)
     rt = WorkerRuntime(
         config=config,
         fingerprint=config.fingerprint(),
-        ledger=Ledger.from_url(config.broker.url, config.run.name),
+        ledger=Ledger.from_url(broker_url, config.run.name),
         lanes={spec.name: spec.build(config, storage)},
-        dead_letters=DeadLetters.from_url(config.broker.url, config.run.name),
+        dead_letters=DeadLetters.from_url(broker_url, config.run.name),
         storage=storage,
     )
     node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
-    _attach(app, rt, Heartbeat(app, config.broker.url, config.run.name, node, config.broker.worker_liveness_s))
+    _attach(app, rt, Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s))
     code = app.start(
         [
             "worker",

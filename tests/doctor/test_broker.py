@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from dflash_queue.doctor.broker import check_broker, durability_warnings
+from dflash_queue.doctor.broker import check_broker, durability_warnings, is_loopback, login_error, password_verdict
 from dflash_queue.redis_server import RedisServer, free_port
 from dfq_testing.jobs import connect
 
@@ -15,14 +15,18 @@ def verdicts(checks) -> dict[str, str]:
 
 def test_a_durable_broker_passes(redis_server):
     checks = check_broker(redis_server.url)
-    assert verdicts(checks) == {"broker reachable": "pass", "broker AOF": "pass", "broker eviction": "pass"}
+    assert verdicts(checks) == {
+        "broker reachable": "pass", "broker password": "pass", "broker AOF": "pass", "broker eviction": "pass"
+    }
     assert "redis " in checks[0].detail
 
 
 def test_a_broker_without_aof_or_with_eviction_fails(tmp_path):
     with RedisServer(tmp_path / "no-aof", appendonly=False) as server:
         checks = verdicts(check_broker(server.url))
-        assert checks == {"broker reachable": "pass", "broker AOF": "fail", "broker eviction": "pass"}
+        assert checks == {
+            "broker reachable": "pass", "broker password": "pass", "broker AOF": "fail", "broker eviction": "pass"
+        }
     with RedisServer(tmp_path / "lru", appendonly=True) as server:
         redis.Redis.from_url(server.url).config_set("maxmemory-policy", "allkeys-lru")
         checks = check_broker(server.url)
@@ -69,3 +73,38 @@ def test_worker_start_up_logs_a_warning_per_unsafe_setting(make_config, tmp_path
 def test_a_durable_broker_gives_the_worker_nothing_to_warn_about(make_config, start_worker):
     worker = start_worker(make_config(), "generate")
     assert "broker AOF" not in worker.log_tail(100_000) and "broker eviction" not in worker.log_tail(100_000)
+
+
+def test_the_password_verdict():
+    # Answering without a password is fine on loopback only.
+    for host in ("127.0.0.1", "127.0.0.53", "::1", "localhost", ""):
+        assert is_loopback(host), host
+        assert password_verdict(host, needs_password=False).verdict == "pass"
+    for host in ("10.0.0.5", "192.168.1.2", "0.0.0.0", "2001:db8::1", "broker.invalid"):
+        assert not is_loopback(host), host
+        check = password_verdict(host, needs_password=False)
+        assert (check.name, check.verdict) == ("broker password", "warn")
+        assert host in check.detail and "without a password" in check.detail and "DFQ_BROKER_PASSWORD" in check.detail
+    for host in ("10.0.0.5", "127.0.0.1"):
+        assert password_verdict(host, needs_password=True).verdict == "pass"
+
+
+def test_a_broker_that_needs_a_password_and_a_wrong_one(tmp_path):
+    with RedisServer(tmp_path / "locked", password="doctor-Secret-4", users={"worker": "worker-Secret-5"}) as server:
+        host_port = server.url.removeprefix("redis://")
+        # The checks log in as the worker would; the password check tries without any credentials.
+        for url in (f"redis://:doctor-Secret-4@{host_port}", f"redis://worker:worker-Secret-5@{host_port}"):
+            checks = check_broker(url)
+            assert verdicts(checks)["broker password"] == "pass"
+            assert "refuses clients without a password" in checks[1].detail
+            assert all("Secret" not in c.detail for c in checks)
+            assert login_error(url) is None
+        wrong = f"redis://worker:not-the-Secret@{host_port}"
+        refused = login_error(wrong)
+        assert refused is not None and "refuses user 'worker'" in refused and "DFQ_BROKER_PASSWORD" in refused
+        assert "Secret" not in refused
+        assert "refuses the default user" in (login_error(server.url) or "")
+        assert [(c.name, c.verdict) for c in check_broker(wrong)] == [("broker reachable", "fail")]
+        assert "Secret" not in check_broker(wrong)[0].detail
+    # Nothing listening: not a login problem (the connection's retries say that).
+    assert login_error(f"redis://127.0.0.1:{free_port()}/0", timeout_s=1) is None

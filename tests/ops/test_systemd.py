@@ -160,6 +160,7 @@ def test_env_file_is_private_and_kept_unless_forced(make_config, tmp_path):
     assert f"DFQ_STORAGE_URL={config.storage.url}" in text
     assert re.search(r"^FLOWER_BASIC_AUTH=admin:\S{16,}$", text, flags=re.M)
     assert "#AWS_SECRET_ACCESS_KEY=" in text
+    assert "#DFQ_BROKER_PASSWORD=" in text and "#DFQ_BROKER_PASSWORD_FILE=" in text
 
     s.env_file.write_text("FLOWER_BASIC_AUTH=ops:mine\n")
     report = install_units(config, LAYOUT, s, tmp_path / "units")
