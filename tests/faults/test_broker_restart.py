@@ -33,6 +33,7 @@ def unacked_queues(url: str) -> set[str]:
 
 def test_workers_reconnect_after_a_broker_restart_and_finish_exactly_once(make_config, start_worker, tmp_path):
     server = RedisServer(tmp_path / "broker", appendonly=True).start()
+    workers: list = []  # stopped before their broker: after it, each warm shutdown would wait its whole timeout
     try:
         config = make_config(
             broker={"url": server.url, "visibility_timeout_s": 15, "task_timeout_s": 10},
@@ -42,7 +43,7 @@ def test_workers_reconnect_after_a_broker_restart_and_finish_exactly_once(make_c
         )
         connect(config)
         dataset = first_lines(SAMPLE, 24, tmp_path / "prompts.jsonl")
-        workers = [start_worker(config, "generate", env=SLOW), start_worker(config, "extract", env=SLOW)]
+        workers += [start_worker(config, "generate", env=SLOW), start_worker(config, "extract", env=SLOW)]
         pids = [w.pid for w in workers]
         ledger = Ledger.from_url(server.url, config.run.name)
         report = Producer(config, ledger).enqueue([dataset])
@@ -67,5 +68,7 @@ def test_workers_reconnect_after_a_broker_restart_and_finish_exactly_once(make_c
         assert counters["generate_shards"] == counters["extract_shards"] == 6
         assert counters["extract_samples"] == 24
     finally:
+        for worker in workers:
+            worker.stop(timeout=30)
         server.stop()
         connect(make_config("session.toml"))
