@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Chaos soak: a job on real parts while a seeded scheduler injects faults, then every invariant checked.
 
-The job: the tiny model, `--shards` shards of `--shard-size` synthetic prompts, `--workers` generate and
+The job: the tiny model, `--shards` shards of `--shard-size` synthetic prompts enqueued in waves (one every 4 s or
+so over the first three quarters of the window, so that faults meet work in flight), `--workers` generate and
 `--workers` extract workers, a private redis-server (AOF on), local storage or an S3 endpoint of its own (moto, in a
 process of its own). For `--duration` seconds faults arrive at random (exponential gaps, mean `--mean-gap-s`):
 
@@ -17,8 +18,9 @@ documented recovery (`enqueue --rebuild`: storage decides what is done), which t
 
 Checked at the end (exit 1 if any fails): `verify` (every sample exactly once: none missing, none duplicated); no
 temporary file left in storage or a staging directory, no incomplete multipart upload; the ledger's done shards
-equal the stored shards; every dead letter names its error. Printed: each fault with its time, for each killed
-worker the time until its messages were delivered again, the shards delivered more than once, the recoveries.
+equal the stored shards; every dead letter names its error. Printed: each fault with its time and the time lost to
+it (until a shard was next stored after the part came back), for each killed worker the time until its messages were
+delivered again, the shards redone (their task delivered more than once), the recoveries.
 
     .venv/bin/python tools/soak.py --duration 1800 --shards 200 --seed 1 --storage s3
 """
@@ -30,6 +32,7 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -67,9 +70,15 @@ class Fault:
     # kill-worker: seconds from the kill until every message the worker held was delivered again (None: not seen)
     redelivered_after_s: float | None = None
     held: list[str] = field(default_factory=list)
+    # Time lost: seconds from the fault until the job next stored a shard after the part came back (None: no
+    # shard stored after it, the job was done)
+    healed_at_s: float = 0.0
+    progress_after_s: float | None = None
 
     def line(self) -> str:
         out = f"{self.at_s:7.1f} s  {self.kind:<13} {self.target:<28} down {self.lasted_s:4.1f} s"
+        if self.progress_after_s is not None:
+            out += f"  next shard stored {self.progress_after_s:5.1f} s after"
         if self.kind == "kill-worker":
             if not self.held:
                 out += "  (held no message)"
@@ -94,14 +103,21 @@ def schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple[floa
     return faults
 
 
-def write_dataset(path: Path, samples: int, seed: int) -> Path:
+def write_waves(root: Path, shards: int, shard_size: int, waves: int, seed: int) -> list[Path]:
+    """The prompts in `waves` files of whole shards (the first ones a shard more where they do not divide)."""
     rng = random.Random(seed)
     topics = ["sorting", "recursion", "a haiku", "prime numbers", "SQL joins", "the tides", "binary search", "Rust"]
-    with path.open("w") as out:
-        for i in range(samples):
-            prompt = f"Request {i}: explain {rng.choice(topics)} in {rng.randint(2, 9)} sentences."
-            out.write(json.dumps({"id": f"soak-{i}", "conversations": [{"from": "human", "value": prompt}]}) + "\n")
-    return path
+    files, number = [], 0
+    for wave in range(waves):
+        path = root / f"prompts-{wave:03d}.jsonl"
+        with path.open("w") as out:
+            for _ in range((shards // waves + (wave < shards % waves)) * shard_size):
+                prompt = f"Request {number}: explain {rng.choice(topics)} in {rng.randint(2, 9)} sentences."
+                record = {"id": f"soak-{number}", "conversations": [{"from": "human", "value": prompt}]}
+                out.write(json.dumps(record) + "\n")
+                number += 1
+        files.append(path)
+    return files
 
 
 class Job:
@@ -157,6 +173,23 @@ class Job:
         except redis.RedisError:
             return []
 
+    def enqueue(self, wave: Path) -> subprocess.Popen:
+        with (self.root / "logs" / "enqueue.log").open("a") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "dflash_queue", "enqueue", str(wave), "-c", str(self.config.source)],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            )
+
+    def note_held(self, shards: dict[str, str]) -> None:
+        """Which shard and lane each task the workers hold is for (task ids are not shard ids)."""
+        try:
+            for key in self.client.scan_iter("dfq:soak:held:*"):
+                for task_id, raw in self.client.hgetall(key).items():
+                    held = json.loads(raw)
+                    shards[task_id] = f"{held['queue']} {held['shard']}"
+        except redis.RedisError:
+            pass
+
     def deliveries(self, task_id: str) -> int:
         try:
             return sum(int(self.client.get(k) or 0) for k in self.client.scan_iter(f"dfq:soak:delivery:{task_id}:*"))
@@ -177,6 +210,7 @@ class Job:
 def inject(job: Job, fault: Fault, down_s: float, draw: int, heal_at: list[tuple[float, object]]) -> None:
     now = time.monotonic()
     fault.lasted_s = down_s
+    fault.healed_at_s = fault.at_s + down_s
     if fault.kind in ("kill-worker", "term-worker"):
         alive = sorted(n for n, w in job.workers.items() if w.alive())
         if not alive:
@@ -192,13 +226,18 @@ def inject(job: Job, fault: Fault, down_s: float, draw: int, heal_at: list[tuple
             worker.terminate()
         heal_at.append((now + down_s, lambda: job.start_worker(name)))
     elif fault.kind == "kill-broker":
-        fault.target = "redis-server"
-        job.redis.stop(kill=True)
-        heal_at.append((now + down_s, job.redis.start))
+        # Faults overlap: a stalled broker can be killed, a dead one killed again; the first restart due brings it
+        # back and the later ones find it running.
+        fault.target = "redis-server" if job.redis.process is not None else "redis-server (already down)"
+        if job.redis.process is not None:
+            job.redis.stop(kill=True)
+        heal_at.append((now + down_s, lambda: job.redis.process is None and job.redis.start()))
     elif fault.kind == "stall-broker":
-        fault.target = "redis-server"
-        job.redis.process.send_signal(signal.SIGSTOP)
-        heal_at.append((now + down_s, lambda: job.redis.process.send_signal(signal.SIGCONT)))
+        process = job.redis.process
+        fault.target = "redis-server" if process is not None else "redis-server (down: nothing to stall)"
+        if process is not None:
+            process.send_signal(signal.SIGSTOP)
+            heal_at.append((now + down_s, lambda: process.poll() is None and process.send_signal(signal.SIGCONT)))
     elif job.s3 is not None:
         fault.target = "S3 endpoint"
         job.s3.process.send_signal(signal.SIGSTOP)
@@ -221,17 +260,17 @@ def watch_redelivery(job: Job, faults: list[Fault], opened: float) -> None:
             fault.redelivered_after_s = time.monotonic() - opened - fault.at_s
 
 
-def progress(job: Job, shard_ids: list[str]) -> tuple[int, int]:
+def progress(job: Job) -> tuple[int, int]:
     try:
-        states = Ledger(job.client, "soak").states(shard_ids)
+        states = Ledger(job.client, "soak").states()
     except redis.RedisError:
         return -1, -1
     return sum(s == DONE for s in states.values()), sum(s == FAILED for s in states.values())
 
 
-def check(job: Job, dataset: Path) -> list[str]:
+def check(job: Job, dataset: list[Path]) -> list[str]:
     problems = []
-    report = verify(job.config, [dataset])
+    report = verify(job.config, dataset)
     print("\n".join("  " + line for line in report.lines()[:12]))
     if not report.ok:
         problems.append(f"verify: {len(report.missing)} missing, {len(report.duplicated)} duplicated")
@@ -279,11 +318,19 @@ def main() -> int:
     try:
         for worker in job.workers.values():
             worker.wait_ready(configure_app(job.config), timeout=300)
-        dataset = write_dataset(root / "dataset.jsonl", args.shards * args.shard_size, args.seed)
-        shard_ids = Producer(job.config, Ledger.from_url(job.redis.url, "soak")).enqueue([dataset]).shard_ids
+        # The job arrives in waves over the first part of the window, so faults meet work in flight (a tiny model
+        # would otherwise finish a whole backlog before the first fault), and an enqueue meets faults too.
+        waves = write_waves(root, args.shards, args.shard_size, max(1, min(args.shards, int(args.duration / 4))),
+                            args.seed)
+        wave_gap_s = args.duration * 0.75 / len(waves)
+        enqueued: list[Path] = []
+        enqueuing: subprocess.Popen | None = None  # the producer is a process of its own, as an operator's is
         opened = time.monotonic()
         faults: list[Fault] = []
         heal_at: list[tuple[float, object]] = []
+        stored_at: list[float] = []  # when the done count went up, seconds after the window opened
+        task_shards: dict[str, str] = {}
+        most_done = 0
         last_progress, last_done = time.monotonic(), -1
         while True:
             now = time.monotonic()
@@ -296,17 +343,30 @@ def main() -> int:
             for when, heal in [h for h in heal_at if h[0] <= now]:
                 heal_at.remove((when, heal))
                 heal()  # type: ignore[operator]
+            if enqueuing is not None and enqueuing.poll() is not None:
+                wave = waves[len(enqueued)]
+                if enqueuing.returncode == 0:
+                    enqueued.append(wave)
+                else:
+                    print(f"  enqueue {wave.name} exited with {enqueuing.returncode}; again", flush=True)
+                enqueuing = None
+            if enqueuing is None and len(enqueued) < len(waves) and now >= opened + len(enqueued) * wave_gap_s:
+                enqueuing = job.enqueue(waves[len(enqueued)])
             watch_redelivery(job, faults, opened)
-            done, failed = progress(job, shard_ids)
-            if done >= 0 and done + failed == len(shard_ids) and not planned and not heal_at:
+            job.note_held(task_shards)
+            done, failed = progress(job)
+            if done > most_done:
+                stored_at.append(now - opened)
+                most_done = done
+            if done >= 0 and done + failed == args.shards and not planned and not heal_at:
                 break
             if done != last_done:
                 last_progress, last_done = now, done
-            elif not planned and not heal_at and now - last_progress > args.stall_s:
+            elif not planned and not heal_at and len(enqueued) == len(waves) and now - last_progress > args.stall_s:
                 recoveries += 1
-                print(f"no progress for {args.stall_s:.0f} s with {len(shard_ids) - done - failed} shards left: "
+                print(f"no progress for {args.stall_s:.0f} s with {args.shards - done - failed} shards left: "
                       "enqueue --rebuild", flush=True)
-                Producer(job.config, Ledger.from_url(job.redis.url, "soak")).enqueue([dataset], rebuild=True)
+                Producer(job.config, Ledger.from_url(job.redis.url, "soak")).enqueue(waves, rebuild=True)
                 last_progress = now
             if now - opened > args.timeout:
                 print("timed out waiting for the job", flush=True)
@@ -317,13 +377,16 @@ def main() -> int:
         print(f"\njob finished after {elapsed:.0f} s: {done} shards done, {failed} failed; {len(faults)} faults; "
               f"{recoveries} recoveries (enqueue --rebuild)")
         for fault in faults:
+            fault.progress_after_s = next((t - fault.at_s for t in stored_at if t >= fault.healed_at_s), None)
             print("  " + fault.line())
         redelivered = [f.redelivered_after_s for f in faults if f.redelivered_after_s is not None]
         if redelivered:
             print(f"killed workers' messages delivered again after {min(redelivered):.1f}-{max(redelivered):.1f} s")
         again = [k for k in job.client.scan_iter("dfq:soak:delivery:*") if int(job.client.get(k) or 0) > 1]
-        print(f"tasks delivered more than once: {len(again)}")
-        problems = check(job, dataset)
+        redone = sorted({task_shards.get(k.split(":")[3], f"task {k.split(':')[3]}") for k in again})
+        print(f"tasks delivered more than once: {len(again)}; shards redone: {len(redone)}"
+              + (f" ({', '.join(redone)})" if redone else ""))
+        problems = check(job, waves)
     finally:
         job.close()
     for problem in problems:

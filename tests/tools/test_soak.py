@@ -34,4 +34,5 @@ def test_the_short_soak_ends_with_every_sample_exactly_once(tmp_path):
     assert "missing: 0" in out and "duplicated: 0" in out
     for kind in FAULTS:
         assert re.search(rf"^\s+[\d.]+ s  {kind}\b", out, re.M), (kind, out[-4000:])
-    assert "job finished after" in out
+    assert "job finished after" in out and re.search(r"shards redone: \d+", out)
+    assert re.search(r"next shard stored +[\d.]+ s after", out)  # the time lost to a fault
