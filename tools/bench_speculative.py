@@ -13,7 +13,9 @@ depend on trained weights:
 Each engine (plain, n-gram) is started once and warmed up; the same greedy requests are timed on each. Printed per
 prompt set: output tokens/s plain and n-gram, their ratio, and the acceptance vLLM counted (accepted / drafted
 tokens), so that a ratio is read with the acceptance it came with. Greedy replies are compared too (they must be
-the same tokens).
+the same tokens). Then seeded sampling with n-gram drafting: two fresh engines, the second given every other prompt
+in reverse order, must give each prompt the same sampled reply (what a shard requeued to another worker relies on;
+vLLM's CPU build does not: its rejection sampler leaves drafted positions' temperature, top_p and top_k unset).
 
     python tools/bench_speculative.py --model DIR [--device cuda] [--prompts 256] [--max-tokens 256] [--k 3]
 """
@@ -71,6 +73,25 @@ def run(args: argparse.Namespace, speculative: dict | None, sets: dict[str, list
     return results
 
 
+def seeded_replies(args: argparse.Namespace, speculative: dict, prompts: list[list[int]], order: list[int]) -> dict:
+    """Sampled replies (a seed per prompt, as the generate lane gives each sample) of a fresh engine, for the prompts
+    `order` names, in that order and batch: {prompt index: tokens}."""
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    llm = LLM(
+        model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=
+        args.device == "cpu", speculative_config=speculative, seed=0,
+        **({"kv_cache_memory_bytes": 2**30, "enable_chunked_prefill": False} if args.device == "cpu" else {}),
+    )
+    try:
+        params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=args.max_tokens,
+                                 ignore_eos=True) for i in order]
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in order], params, use_tqdm=False)
+        return {i: list(o.outputs[0].token_ids) for i, o in zip(order, outputs, strict=True)}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -80,6 +101,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    parser.add_argument("--no-seeded", action="store_true", help="skip the seeded-sampling check (two more engines)")
     args = parser.parse_args()
 
     from transformers import AutoConfig
@@ -101,6 +123,19 @@ def main() -> None:
         print(f"  {name}: plain {base:,.0f} tok/s, n-gram {rate:,.0f} tok/s, ratio {rate / base:.2f}; "
               f"acceptance {acceptance:.1%} ({accepted:,.0f} of {drafted:,.0f} drafted tokens); "
               f"greedy replies identical {same}/{len(replies)}")
+    if not args.no_seeded:
+        # Seeded sampling with drafting: a restarted engine, another batch (every other prompt, in reverse order)
+        # must give each prompt the same reply, as a requeued shard's samples get on another worker.
+        prompts = sets["repetitive prompts"]
+        what = "seeded sampling with n-gram drafting (temperature 0.8, top_p 0.95, top_k 50)"
+        try:
+            first = seeded_replies(args, ngram, prompts, list(range(len(prompts))))
+            again = seeded_replies(args, ngram, prompts, list(range(len(prompts)))[::-2])
+        except Exception as exc:  # vLLM's CPU build: its rejection sampler indexes past the vocabulary
+            print(f"  {what}: the engine failed: {type(exc).__name__}: {str(exc)[:200]}")
+        else:
+            same = sum(first[i] == again[i] for i in again)
+            print(f"  {what}: replies identical across an engine restart and another batch {same}/{len(again)}")
 
 
 if __name__ == "__main__":
