@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from dflash_queue.config import load_config  # noqa: E402
 from dflash_queue.deadletters import DeadLetters  # noqa: E402
+from dflash_queue.faults import ENV  # noqa: E402
 from dflash_queue.ledger import DONE, FAILED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
@@ -75,13 +76,15 @@ class Fault:
     healed_at_s: float = 0.0
     progress_after_s: float | None = None
 
-    def line(self) -> str:
+    def line(self, final: bool = True) -> str:
         out = f"{self.at_s:7.1f} s  {self.kind:<13} {self.target:<28} down {self.lasted_s:4.1f} s"
         if self.progress_after_s is not None:
             out += f"  next shard stored {self.progress_after_s:5.1f} s after"
         if self.kind == "kill-worker":
             if not self.held:
                 out += "  (held no message)"
+            elif not final:
+                out += f"  {len(self.held)} held"
             elif self.redelivered_after_s is None:
                 out += f"  {len(self.held)} held, not seen delivered again (done by then, or after the run)"
             else:
@@ -131,7 +134,7 @@ class Job:
             "run": {"name": "soak"},
             "broker": {"visibility_timeout_s": 600, "task_timeout_s": 300, "worker_liveness_s": 6, "max_deliveries": 6},
             "dataset": {"shard_size": args.shard_size, "thinking": "never"},
-            "generate.sampling": {"max_tokens": 8},
+            "generate.sampling": {"max_tokens": args.max_tokens},
             "storage": {"unavailable_task_retries": 60},
         }
         if args.storage == "s3":
@@ -146,6 +149,9 @@ class Job:
         self.config = load_config(write_config(root / "soak.toml", tables, **overrides))
         configure_app(self.config)
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        # --task-s: every task holds its worker that much longer (the test harness's task delay, through its
+        # wrapper), as a real target's generation would, so that kills meet tasks in flight.
+        self.worker_env = {**self.env, **({ENV: json.dumps({"task_delay_s": args.task_s})} if args.task_s else {})}
         # A read-only directory binds root only without its capabilities.
         self.prefix = tuple(root_bypass_dropped()) if args.storage == "local" else ()
         self.workers: dict[str, WorkerProcess] = {}
@@ -160,8 +166,9 @@ class Job:
         lane = name.split("-")[0]
         self.starts[name] = self.starts.get(name, 0) + 1
         self.workers[name] = WorkerProcess(
-            lane, Path(self.config.source), self.env, self.root / "logs" / f"{name}.log", hostname=self.node(name),
-            prefix=self.prefix,
+            lane, Path(self.config.source), self.worker_env, self.root / "logs" / f"{name}.log",
+            hostname=self.node(name), prefix=self.prefix,
+            module="dfq_testing.faulty_worker" if self.args.task_s else "dflash_queue",
         )
 
     def node(self, name: str) -> str:
@@ -300,6 +307,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=60.0, help="seconds during which faults arrive")
     parser.add_argument("--shards", type=int, default=200)
     parser.add_argument("--shard-size", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=8, help="reply length: the work a task holds a worker for")
+    parser.add_argument("--task-s", type=float, default=0.0, help="seconds each task holds its worker beyond its work "
+                        "(a real target's pace; the tiny model takes ~0.1 s a shard)")
     parser.add_argument("--workers", type=int, default=2, help="workers per lane")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--mean-gap-s", type=float, default=8.0)
@@ -339,7 +349,7 @@ def main() -> int:
                 fault = Fault(at, kind)
                 inject(job, fault, down, draw, heal_at)
                 faults.append(fault)
-                print(fault.line(), flush=True)
+                print(fault.line(final=False), flush=True)
             for when, heal in [h for h in heal_at if h[0] <= now]:
                 heal_at.remove((when, heal))
                 heal()  # type: ignore[operator]
