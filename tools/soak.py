@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Chaos soak: a job on real parts while a seeded scheduler injects faults, then every invariant checked.
 
-The job: the tiny model, `--shards` shards of `--shard-size` synthetic prompts enqueued in waves (one every 4 s or
+The job: the tiny model, `--shards` shards of `--shard-size` synthetic prompts enqueued in waves (one every 10 s or
 so over the first three quarters of the window, so that faults meet work in flight), `--workers` generate and
 `--workers` extract workers, a private redis-server (AOF on), local storage or an S3 endpoint of its own (moto, in a
 process of its own). For `--duration` seconds faults arrive at random (exponential gaps, mean `--mean-gap-s`):
@@ -330,7 +330,9 @@ def main() -> int:
             worker.wait_ready(configure_app(job.config), timeout=300)
         # The job arrives in waves over the first part of the window, so faults meet work in flight (a tiny model
         # would otherwise finish a whole backlog before the first fault), and an enqueue meets faults too.
-        waves = write_waves(root, args.shards, args.shard_size, max(1, min(args.shards, int(args.duration / 4))),
+        # A wave every 10 s or so: each is an enqueue process of its own, which takes seconds to start on a busy
+        # machine, and one runs at a time (at one every 3 s they fell behind and a quarter were never enqueued).
+        waves = write_waves(root, args.shards, args.shard_size, max(1, min(args.shards, int(args.duration / 10))),
                             args.seed)
         wave_gap_s = args.duration * 0.75 / len(waves)
         enqueued: list[Path] = []
@@ -384,6 +386,8 @@ def main() -> int:
             time.sleep(0.2)
         elapsed = time.monotonic() - opened
         time.sleep(2)  # the last acknowledgements
+        for worker in job.workers.values():  # nothing may change storage or the ledger while they are compared
+            worker.stop(timeout=60)
         print(f"\njob finished after {elapsed:.0f} s: {done} shards done, {failed} failed; {len(faults)} faults; "
               f"{recoveries} recoveries (enqueue --rebuild)")
         for fault in faults:
