@@ -36,12 +36,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def locked_broker(tmp_path: Path):
-    """A redis-server that needs a password, with a least-rights `worker` user; admin client for checks."""
+def locked_broker(tmp_path: Path, make_config):
+    """A redis-server that needs a password, with a least-rights `worker` user; admin client for checks. The app
+    goes back to the session's broker after: later tests publish through its pooled connections."""
     with RedisServer(tmp_path / "broker", password=ADMIN_PASSWORD, users={"worker": WORKER_PASSWORD}) as server:
         admin = redis.Redis.from_url(server.url, password=ADMIN_PASSWORD, decode_responses=True)
         admin.acl_log_reset()
-        yield server, admin
+        try:
+            yield server, admin
+        finally:
+            connect(make_config("session.toml"))
 
 
 def no_password_in(text: str | bytes, where: str) -> None:
