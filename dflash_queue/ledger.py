@@ -90,6 +90,16 @@ class Ledger:
         count, _ = pipe.execute()
         return int(count)
 
+    def deliveries(self) -> dict[tuple[str, int], int]:
+        """How many times each message (task id, retries) was delivered, of those counted in the last
+        DELIVERY_TTL_S."""
+        prefix = f"{self.prefix}:delivery:"
+        counts = {}
+        for key in self.client.scan_iter(match=prefix + "*", count=1000):
+            task_id, retries = key[len(prefix) :].rsplit(":", 1)
+            counts[(task_id, int(retries))] = int(self.client.get(key) or 0)
+        return counts
+
     def add_once(self, token: str, counts: Mapping[str, int], *, now: float | None = None) -> bool:
         """`add`, unless counts under the same token were added before (a task delivered twice that wrote the
         same output twice must not count it twice). Returns whether the counts were added."""

@@ -72,13 +72,20 @@ class Liveness:
         """A worker stopping warmly: its messages go back by kombu's own hand; nothing is held any more."""
         self.client.delete(self._alive(node), self._held(node))
 
+    def held(self) -> list[HeldMessage]:
+        """Every message a worker recorded taking and has not finished, whatever its heartbeat."""
+        return self._held_messages(dead_only=False)
+
     def held_by_dead(self) -> list[HeldMessage]:
         """Messages recorded by nodes whose heartbeat stopped."""
+        return self._held_messages(dead_only=True)
+
+    def _held_messages(self, *, dead_only: bool) -> list[HeldMessage]:
         held = []
         seen = self.client.hgetall(self._seen())
         for key in self.client.scan_iter(match=self._held("*"), count=1000):
             node = key[len(self._held("")) :]
-            if self.client.exists(self._alive(node)):
+            if dead_only and self.client.exists(self._alive(node)):
                 continue
             for task_id, raw in self.client.hgetall(key).items():
                 fields = json.loads(raw)

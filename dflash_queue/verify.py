@@ -184,8 +184,10 @@ def verify(
     accounted for by the record it left (`consumed`)."""
     report = VerifyReport(epoch=epoch)
     storage = storage or open_storage(config.storage)
-    ledger = ledger or Ledger.from_url(config.broker.connection_url(), config.run.name)
-    dead_letters = dead_letters or DeadLetters.from_url(config.broker.connection_url(), config.run.name)
+    if ledger is None or dead_letters is None:
+        broker_url = config.broker.connection_url()  # reads the password file
+        ledger = ledger or Ledger.from_url(broker_url, config.run.name)
+        dead_letters = dead_letters or DeadLetters.from_url(broker_url, config.run.name)
     expected = expected_shards(config, datasets, report)
     enqueued = enqueued_shards(storage)
     shard_of = {sample_id: shard_id for shard_id, ids in enqueued.items() for sample_id in ids}

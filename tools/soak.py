@@ -48,6 +48,7 @@ from dflash_queue.config import load_config  # noqa: E402
 from dflash_queue.deadletters import DeadLetters  # noqa: E402
 from dflash_queue.faults import ENV  # noqa: E402
 from dflash_queue.ledger import DONE, FAILED, Ledger  # noqa: E402
+from dflash_queue.liveness import Liveness  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
@@ -160,6 +161,8 @@ class Job:
             for n in range(args.workers):
                 self.start_worker(f"{lane}-{n}")
         self.client = redis.Redis.from_url(self.redis.url, decode_responses=True, socket_timeout=5)
+        self.ledger = Ledger(self.client, "soak")
+        self.liveness = Liveness(self.client, "soak", self.config.broker.worker_liveness_s)
 
     def start_worker(self, name: str) -> None:
         """Each start is a node of its own: a worker still finishing its warm shutdown keeps its name."""
@@ -176,7 +179,7 @@ class Job:
 
     def held_by(self, name: str) -> list[str]:
         try:
-            return list(self.client.hkeys(f"dfq:soak:held:{self.node(name)}"))
+            return [m.task_id for m in self.liveness.held() if m.node == self.node(name)]
         except redis.RedisError:
             return []
 
@@ -190,18 +193,19 @@ class Job:
     def note_held(self, shards: dict[str, str]) -> None:
         """Which shard and lane each task the workers hold is for (task ids are not shard ids)."""
         try:
-            for key in self.client.scan_iter("dfq:soak:held:*"):
-                for task_id, raw in self.client.hgetall(key).items():
-                    held = json.loads(raw)
-                    shards[task_id] = f"{held['queue']} {held['shard']}"
+            shards.update({m.task_id: f"{m.queue} {m.shard_id}" for m in self.liveness.held()})
         except redis.RedisError:
             pass
 
-    def deliveries(self, task_id: str) -> int:
+    def deliveries(self) -> dict[str, int]:
+        """Deliveries per task, its retries together; {} while the broker does not answer."""
+        counts: dict[str, int] = {}
         try:
-            return sum(int(self.client.get(k) or 0) for k in self.client.scan_iter(f"dfq:soak:delivery:{task_id}:*"))
+            for (task_id, _retries), count in self.ledger.deliveries().items():
+                counts[task_id] = counts.get(task_id, 0) + count
         except redis.RedisError:
-            return -1
+            pass
+        return counts
 
     def storage_root(self) -> Path:
         return Path(self.config.storage.url)
@@ -226,8 +230,8 @@ def inject(job: Job, fault: Fault, down_s: float, draw: int, heal_at: list[tuple
         fault.target = name
         worker = job.workers[name]
         if fault.kind == "kill-worker":
-            fault.held = job.held_by(name)
-            fault.held = [f"{task}:{job.deliveries(task)}" for task in fault.held]
+            counts = job.deliveries()
+            fault.held = [f"{task}:{counts.get(task, 0)}" for task in job.held_by(name)]
             worker.kill()
         else:
             worker.terminate()
@@ -262,14 +266,15 @@ def watch_redelivery(job: Job, faults: list[Fault], opened: float) -> None:
     for fault in faults:
         if fault.kind != "kill-worker" or not fault.held or fault.redelivered_after_s is not None:
             continue
-        again = [job.deliveries(entry.rsplit(":", 1)[0]) > int(entry.rsplit(":", 1)[1]) for entry in fault.held]
+        counts = job.deliveries()
+        again = [counts.get(entry.rsplit(":", 1)[0], 0) > int(entry.rsplit(":", 1)[1]) for entry in fault.held]
         if all(again):
             fault.redelivered_after_s = time.monotonic() - opened - fault.at_s
 
 
 def progress(job: Job) -> tuple[int, int]:
     try:
-        states = Ledger(job.client, "soak").states()
+        states = job.ledger.states()
     except redis.RedisError:
         return -1, -1
     return sum(s == DONE for s in states.values()), sum(s == FAILED for s in states.values())
@@ -290,7 +295,7 @@ def check(job: Job, dataset: list[Path]) -> list[str]:
         leftovers += [f"multipart upload {u['Key']}" for u in uploads]
     if leftovers:
         problems.append(f"left behind: {leftovers[:5]}")
-    ledger = Ledger(job.client, "soak")
+    ledger = job.ledger
     done = {s for s, state in ledger.states().items() if state == DONE}
     stored = stored_shard_ids(storage)
     if done != stored:
@@ -396,8 +401,8 @@ def main() -> int:
         redelivered = [f.redelivered_after_s for f in faults if f.redelivered_after_s is not None]
         if redelivered:
             print(f"killed workers' messages delivered again after {min(redelivered):.1f}-{max(redelivered):.1f} s")
-        again = [k for k in job.client.scan_iter("dfq:soak:delivery:*") if int(job.client.get(k) or 0) > 1]
-        redone = sorted({task_shards.get(k.split(":")[3], f"task {k.split(':')[3]}") for k in again})
+        again = [task_id for (task_id, _retries), count in job.ledger.deliveries().items() if count > 1]
+        redone = sorted({task_shards.get(task_id, f"task {task_id}") for task_id in again})
         print(f"tasks delivered more than once: {len(again)}; shards redone: {len(redone)}"
               + (f" ({', '.join(redone)})" if redone else ""))
         problems = check(job, waves)

@@ -42,8 +42,7 @@ def wait_for_unacked(redis_url: str, queue: str, timeout: float = 120) -> None:
 
 
 def delivery_counts(redis_url: str, run: str) -> list[int]:
-    client = redis.Redis.from_url(redis_url)
-    return sorted(int(client.get(k)) for k in client.scan_iter(f"dfq:{run}:delivery:*"))
+    return sorted(Ledger.from_url(redis_url, run).deliveries().values())
 
 
 def test_killed_workers_lose_nothing_and_double_nothing(make_config, redis_url, start_worker, tmp_path):
