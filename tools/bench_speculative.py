@@ -43,14 +43,20 @@ def prompt_sets(vocab: int, count: int, length: int, seed: int = 0) -> dict[str,
     return {"distinct prompts": distinct, "repetitive prompts": repetitive}
 
 
-def run(args: argparse.Namespace, speculative: dict | None, sets: dict[str, list[list[int]]]) -> dict[str, tuple]:
-    from vllm import LLM, SamplingParams, TokensPrompt
+def engine(args: argparse.Namespace, speculative: dict | None, **extra):
+    from vllm import LLM
 
-    llm = LLM(
+    return LLM(
         model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=
-        args.device == "cpu", disable_log_stats=False, speculative_config=speculative, seed=0,
-        **({"kv_cache_memory_bytes": 2**30, "enable_chunked_prefill": False} if args.device == "cpu" else {}),
+        args.device == "cpu", speculative_config=speculative, seed=0,
+        **({"kv_cache_memory_bytes": 2**30, "enable_chunked_prefill": False} if args.device == "cpu" else {}), **extra,
     )
+
+
+def run(args: argparse.Namespace, speculative: dict | None, sets: dict[str, list[list[int]]]) -> dict[str, tuple]:
+    from vllm import SamplingParams, TokensPrompt
+
+    llm = engine(args, speculative, disable_log_stats=False)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results = {}
     try:
@@ -76,13 +82,9 @@ def run(args: argparse.Namespace, speculative: dict | None, sets: dict[str, list
 def seeded_replies(args: argparse.Namespace, speculative: dict, prompts: list[list[int]], order: list[int]) -> dict:
     """Sampled replies (a seed per prompt, as the generate lane gives each sample) of a fresh engine, for the prompts
     `order` names, in that order and batch: {prompt index: tokens}."""
-    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm import SamplingParams, TokensPrompt
 
-    llm = LLM(
-        model=args.model, dtype=args.dtype, max_model_len=args.prompt_len + args.max_tokens + 8, enforce_eager=
-        args.device == "cpu", speculative_config=speculative, seed=0,
-        **({"kv_cache_memory_bytes": 2**30, "enable_chunked_prefill": False} if args.device == "cpu" else {}),
-    )
+    llm = engine(args, speculative)
     try:
         params = [SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=args.max_tokens,
                                  ignore_eos=True) for i in order]
