@@ -1,13 +1,11 @@
 """The two-engine extract benchmark in its quick mode on the CPU (vLLM's CPU build): both engines run, each in a
-process of its own, and the report parses and adds up. And the GPU check script that drives it parses and passes
-it (and the checkpoint builder) only options they have."""
+process of its own, and the report parses and adds up. (tests/tools/test_gpu_check.py runs the GPU check script
+that drives it.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -103,57 +101,3 @@ def test_quick_run_reports_both_engines_side_by_side(tiny_family, tmp_path):
         assert close(report["engines"][engine]["median_tokens_per_s"], medians[engine][0], absolute=0.1)
         assert [run["round"] for run in report["engines"][engine]["runs"]] == [1, 2]
     assert report["baseline_bytes"] > 0 and report["settings"]["shard_size"] == 8
-
-
-def parser_of(tool: str):
-    spec = importlib.util.spec_from_file_location(tool, REPO / "tools" / f"{tool}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_parser()
-
-
-def commands(script: str) -> list[list[str]]:
-    """The script's commands: continuation lines joined, split as the shell would (variables left as they are),
-    lists cut at `&&`, `||`, `;` and `|`."""
-    joined = re.sub(r"\\\n\s*", " ", script)
-    out: list[list[str]] = []
-    for line in joined.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            words = shlex.split(line)
-        except ValueError:  # a line of a quoted Python snippet
-            continue
-        out.append([])
-        for word in words:
-            if word in ("&&", "||", ";", "|"):
-                out.append([])
-            else:
-                out[-1].append(word)
-    return out
-
-
-def test_the_gpu_check_script_parses_and_passes_the_tools_only_their_options():
-    script = REPO / "tools" / "gpu_check.sh"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    parsers = {tool: parser_of(tool) for tool in ("bench_extract", "build_random_checkpoint")}
-    used = {name: set() for name in parsers}
-    for words in commands(script.read_text()):
-        # BENCH=(tools/bench_extract.py ...) and "${BENCH[@]}" stand for the bench's command line.
-        words = [w.removeprefix("BENCH=(").rstrip(")") for w in words]
-        tool = next((name for name in parsers if any(w.endswith(f"tools/{name}.py") for w in words)), None)
-        if tool is None and '${BENCH[@]}' in words:
-            tool = "bench_extract"
-        if tool is None:
-            continue
-        known = {option for action in parsers[tool]._actions for option in action.option_strings}
-        for word in words:
-            if word.startswith("--"):
-                assert word in known, f"{tool} has no option {word}"
-                used[tool].add(word)
-    assert {"--device", "--dtype", "--model", "--layer-ids", "--rounds", "--engines"} <= used["bench_extract"]
-    assert {"--like", "--layers", "--out"} <= used["build_random_checkpoint"]
-    # The hybrid shape it builds exists.
-    assert (REPO / "examples" / "qwen3.6-27b-class" / "config.json").is_file()
-    assert "examples/qwen3.6-27b-class/config.json" in script.read_text()
