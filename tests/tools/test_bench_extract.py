@@ -4,6 +4,7 @@ that drives it.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import statistics
@@ -101,3 +102,17 @@ def test_quick_run_reports_both_engines_side_by_side(tiny_family, tmp_path):
         assert close(report["engines"][engine]["median_tokens_per_s"], medians[engine][0], absolute=0.1)
         assert [run["round"] for run in report["engines"][engine]["runs"]] == [1, 2]
     assert report["baseline_bytes"] > 0 and report["settings"]["shard_size"] == 8
+
+    # MFU from the shapes: the same useful work for both engines (vLLM runs every layer; the Transformers engine
+    # drops those above the highest captured one), over each run's own time; as the GPU check's report reads it.
+    spec = importlib.util.spec_from_file_location("gpu_check_report", REPO / "tools" / "gpu_check_report.py")
+    report_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report_tool)
+    for engine in ("transformers", "vllm"):
+        figures = report_tool.engine_figures(report, engine)
+        for key in ("tokens_per_s", "mfu", "tflops", "flops_per_token", "canary_share"):
+            assert figures[key] > 0, (engine, key)
+        for run in report["engines"][engine]["runs"]:
+            assert close(run["mfu"], run["flops"] / run["seconds"] / 1e12 / 790.0)
+    assert report["engines"]["vllm"]["layers_run"] == 6 and report["engines"]["transformers"]["layers_run"] == 4
+    assert report["engines"]["transformers"]["engine_alone"]["median_tokens_per_s"] > 0
