@@ -22,9 +22,21 @@ median tokens/s. The first round's shards of both engines are read back and comp
 (`compare_states`: relative error per layer; the worst over all samples is printed; float32 on the CPU gives
 ~1e-6).
 
+Beside tokens/s, each engine's MFU: the useful FLOPs of the measured shards (`extraction_flops`, from the
+model's shapes: 2 x the parameters a token goes through in the layers the engine runs, plus attention's
+query-key pairs and linear attention's state updates) over the wall time, against --peak-tflops (790: one H200,
+bfloat16). The Transformers engine is also timed alone on the first shard (`extract`, no lane around it:
+compute and the copy to the host), and the kernels its model's classes bound are named (Gated DeltaNet's from
+flash-linear-attention, or Transformers' PyTorch fallback). With --reference-samples N, N of the Transformers
+engine's stored samples of the first round (spread over the lengths) are compared with the checkpoint's own
+class (`dfq_testing.references`) run on each sample alone in --dtype, with Transformers' own PyTorch kernels
+(flash-linear-attention and causal-conv1d kept out), in a process of its own: relative error per layer, over the
+sample and at its worst token.
+
     .venv/bin/python tools/bench_extract.py                      # tiny Qwen3 family on the CPU
     .venv/bin/python tools/bench_extract.py --quick              # 2 shards of 8 samples, 16-256 tokens
     python tools/bench_extract.py --model DIR --device cuda --dtype bfloat16 [--tensor-parallel-size N]
+    python tools/bench_extract.py --model DIR --engines transformers --reference-samples 4 --json-file FILE
 """
 
 from __future__ import annotations
@@ -74,8 +86,9 @@ def resolve_model(args: argparse.Namespace) -> Path:
     return build_family(args.family, cache / f"family-{args.family}", tokenizer)
 
 
-def write_inputs(root: Path, shard_ids: list[str], args: argparse.Namespace, vocab: int) -> None:
-    """Completions shards of random sequences: lengths log-uniform, each split at random into prompt and completion."""
+def write_inputs(root: Path, shard_ids: list[str], args: argparse.Namespace, vocab: int) -> dict[str, list[int]]:
+    """Completions shards of random sequences: lengths log-uniform, each split at random into prompt and completion.
+    Each shard's sequence lengths."""
     from dflash_queue.shards.completions import CompletionRecord, encode_completions
     from dflash_queue.shards.keys import completions_key
     from dflash_queue.storage import open_storage
@@ -84,6 +97,7 @@ def write_inputs(root: Path, shard_ids: list[str], args: argparse.Namespace, voc
     rng = random.Random(args.seed)
     low, high = math.log(args.min_len), math.log(args.max_len)
     sizes = [(WARMUP, 2)] + [(shard, args.shard_size) for shard in shard_ids]
+    lengths: dict[str, list[int]] = {}
     for shard, count in sizes:
         records = []
         for i in range(count):
@@ -94,6 +108,8 @@ def write_inputs(root: Path, shard_ids: list[str], args: argparse.Namespace, voc
             split = rng.randint(1, length - 1)
             records.append(CompletionRecord(f"{shard}-{i}", ids[:split], ids[split:], "stop", thinking=False, text=""))
         storage.write_bytes(completions_key(shard), encode_completions(records))
+        lengths[shard] = [len(r.prompt_ids) + len(r.completion_ids) for r in records]  # as the engine sees them
+    return lengths
 
 
 def config_path(args: argparse.Namespace, model: Path, engine: str, store: Path, state: Path) -> Path:
@@ -130,6 +146,7 @@ def run_child(args: argparse.Namespace) -> int:
 
     from dflash_queue.config import load_config
     from dflash_queue.engines.base import ExtractionRequest
+    from dflash_queue.engines.decoder import decoder_layers
     from dflash_queue.lanes.extract import ExtractLane, build_extractor
     from dflash_queue.lanes.registry import EXTRACT
     from dflash_queue.shards.completions import decode_completions
@@ -143,6 +160,7 @@ def run_child(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     extractor = build_extractor(config)
     load_s = time.perf_counter() - started
+    model = getattr(extractor, "model", None) if engine == "transformers" else None
     lane = ExtractLane(config, extractor, storage)
     cuda = config.model.device == "cuda"
     try:
@@ -174,8 +192,23 @@ def run_child(args: argparse.Namespace) -> int:
         canary_s = sum(min(times) for times in zip(*passes))
         canary_tokens = sum(len(r.input_ids) for r in chosen)
         short_mean = sum(len(r.input_ids) for r in short) / len(short)
+
+        engine_alone = None
+        if model is not None:  # the Transformers engine's own work on the first shard: compute, copy to host
+            first = [ExtractionRequest(r.id, r.input_ids) for r in decode_completions(
+                storage.read_bytes(completions_key(shard_ids[0])), what=shard_ids[0])]
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            extractor.extract(first)
+            if cuda:
+                torch.cuda.synchronize()
+            engine_alone = {"shard": shard_ids[0], "tokens": sum(len(r.input_ids) for r in first),
+                            "seconds": time.perf_counter() - started}
         result = {
             "engine": engine, "mode": extractor.mode, "load_s": load_s, "task_slots": slots,
+            "layers_run": len(decoder_layers(model)) if model is not None else None,
+            "kernels": kernel_paths(model) if model is not None else {}, "engine_alone": engine_alone,
             "shards": len(summaries), "samples": sum(s.num_samples for s in summaries), "tokens": tokens,
             "seconds": seconds,
             "canary": {
@@ -188,6 +221,143 @@ def run_child(args: argparse.Namespace) -> int:
         lane.close()
     (work / f"result-{args.tag}.json").write_text(json.dumps(result))
     return 0
+
+
+def kernel_paths(model: Any) -> dict[str, str]:
+    """The implementation each of the model's Transformers modules bound for its optional kernels (Gated
+    DeltaNet's `chunk_gated_delta_rule`, `causal_conv1d_fn`, ...): the package's when it imported at load, else
+    Transformers' PyTorch fallback. Read from the wrappers Transformers' `use_kernel_func_from_hub_with_fallback`
+    made, which hold the chosen function as `implementation`."""
+    found: dict[str, str] = {}
+    for name in sorted({type(module).__module__ for module in model.modules()}):
+        found.update(module_kernels(sys.modules[name]))
+    return found
+
+
+def module_kernels(namespace: Any) -> dict[str, str]:
+    """Of one module: each kernel wrapper's name -> the function it calls ("module.name")."""
+    found = {}
+    for attribute, value in vars(namespace).items():
+        code, closure = getattr(value, "__code__", None), getattr(value, "__closure__", None)
+        if code is None or not closure:
+            continue
+        cells = dict(zip(code.co_freevars, closure))
+        if "implementation" in cells and "is_new_implementation" in cells:
+            chosen = cells["implementation"].cell_contents
+            found[attribute] = f"{chosen.__module__}.{chosen.__qualname__}"
+    return found
+
+
+# The reference runs Transformers' own PyTorch code: the engine's kernels are among what it checks.
+OPTIONAL_KERNELS = ("fla", "causal_conv1d")
+
+
+class _KeepOut:
+    """A meta-path finder that makes the optional kernel packages fail to import, as if absent."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name.split(".")[0] in OPTIONAL_KERNELS:
+            raise ModuleNotFoundError(f"No module named {name!r} (kept out of the reference)", name=name)
+        return None
+
+
+def run_reference(args: argparse.Namespace) -> int:
+    """The checkpoint's own class on --reference-samples stored samples alone, against what the store holds."""
+    sys.meta_path.insert(0, _KeepOut())
+    import torch
+
+    from dflash_queue.shards.keys import shard_key
+    from dflash_queue.shards.training import TrainingShard
+    from dfq_testing.references import reference_model, reference_states
+
+    work, store = Path(args.work), Path(args.store)
+    shard_ids = json.loads((work / "shards.json").read_text())
+    shards = {shard: TrainingShard(store / shard_key(shard)) for shard in shard_ids}
+    by_length = sorted((int(shards[s].offsets[i + 1] - shards[s].offsets[i]), s, i)
+                       for s in shard_ids for i in range(len(shards[s])))
+    count = min(args.reference_samples, len(by_length))
+    # Spread over the lengths, the longest included.
+    picked = [by_length[round(j * (len(by_length) - 1) / max(1, count - 1))] for j in range(count)]
+    started = time.perf_counter()
+    model = reference_model(args.model_path, "sdpa", getattr(torch, args.dtype)).to(args.device)
+    load_s = time.perf_counter() - started
+    samples = []
+    for length, shard, index in picked:
+        meta = shards[shard].metadata
+        captured = list(zip(json.loads(meta["layer_ids"]), json.loads(meta["layer_states"])))
+        sample = shards[shard][index]
+        want = reference_states(model, sample.input_ids.to(args.device), captured).float().cpu()
+        got = sample.hidden_states.float()
+        if got.shape != want.shape:
+            raise SystemExit(f"sample {sample.id}: stored states {tuple(got.shape)}, reference {tuple(want.shape)}")
+        difference = torch.linalg.vector_norm(got - want, dim=-1)  # [T, K]
+        scale = torch.linalg.vector_norm(want, dim=-1)
+        whole = difference.square().sum(0).sqrt() / scale.square().sum(0).sqrt()
+        token = (difference / scale.clamp_min(1e-30)).amax(0)
+        samples.append({"id": sample.id, "tokens": length, "whole": whole.tolist(), "token": token.tolist()})
+    layers = len(samples[0]["whole"]) if samples else 0
+    result = {
+        "reference_class": type(model).__name__, "dtype": args.dtype, "device": args.device, "load_s": load_s,
+        "kernels": kernel_paths(model), "captured": captured if samples else [], "samples": samples,
+        "per_layer_whole": [max(s["whole"][k] for s in samples) for k in range(layers)],
+        "per_layer_token": [max(s["token"][k] for s in samples) for k in range(layers)],
+    }
+    result["worst_whole"] = max(result["per_layer_whole"], default=0.0)
+    result["worst_token"] = max(result["per_layer_token"], default=0.0)
+    (work / f"reference-{args.tag}.json").write_text(json.dumps(result))
+    return 0
+
+
+def reference_agreement(args: argparse.Namespace, model: Path, work: Path, store: str) -> dict[str, Any]:
+    tag = "transformers-r1"
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "reference", "--tag", tag, "--work",
+               str(work), "--store", store, "--model-path", str(model), "--device", args.device, "--dtype",
+               args.dtype, "--reference-samples", str(args.reference_samples)]
+    with open(work / f"reference-{tag}.log", "w") as log:
+        returncode = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+    if returncode:
+        tail = (work / f"reference-{tag}.log").read_text()[-4000:]
+        raise SystemExit(f"the reference's process failed (exit {returncode}):\n{tail}")
+    return json.loads((work / f"reference-{tag}.json").read_text())
+
+
+def causal_pairs(length: int, window: int | None) -> int:
+    """Query-key pairs causal attention computes over a sequence: every earlier position, or the last `window`."""
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def extraction_flops(text: Any, layers_run: int, lengths: list[int]) -> float:
+    """Useful FLOPs of one prefill over each of `lengths` through the first `layers_run` decoder layers:
+
+        2 * P                         per token, P = the parameters one token goes through in those layers
+                                      (`count_parameters`: mixers, MLP or routed experts, norms): a multiply-add
+                                      per weight;
+      + 4 * heads * head_dim * pairs  per (full or sliding) attention layer: QK^T and AV over the causal
+                                      query-key pairs (T(T+1)/2, or those inside the window);
+      + 6 * H_v * d_k * d_v           per token per linear-attention layer (Gated DeltaNet's state, its recurrent
+                                      form: read, delta update, decay, readout; the chunked kernels do a little more).
+
+    The embedding lookup and the LM head are left out (the extract engine runs no head), and so is anything done
+    twice (padding, a canary's rerun)."""
+    from dflash_queue.ops.model_size import attention_dims, count_parameters, layer_kinds
+
+    kinds = layer_kinds(text)[:layers_run]
+    params = sum(count_parameters(text).active_layers[:layers_run])
+    tokens = sum(lengths)
+    heads, _, head_dim = attention_dims(text)
+    window = getattr(text, "sliding_window", None)
+    flops = 2.0 * params * tokens
+    for kind in kinds:
+        if kind == "full_attention":
+            flops += 4.0 * heads * head_dim * sum(causal_pairs(n, None) for n in lengths)
+        elif kind == "sliding_attention":
+            flops += 4.0 * heads * head_dim * sum(causal_pairs(n, window) for n in lengths)
+        elif kind == "linear_attention" and getattr(text, "linear_num_value_heads", None):
+            state = int(text.linear_num_value_heads) * int(text.linear_key_head_dim) * int(text.linear_value_head_dim)
+            flops += 6.0 * state * tokens
+    return flops
 
 
 class TreeMemory:
@@ -309,6 +479,34 @@ def say_run(say: Any, result: dict, args: argparse.Namespace) -> None:
         f"(round {number})")
 
 
+def read_text_config(model: Path) -> Any:
+    from dflash_queue.engines.decoder import read_layout
+
+    return read_layout(str(model)).text_config
+
+
+def add_flops(result: dict, text: Any, shape: dict, measured: list[int], lengths: dict[str, list[int]],
+              args: argparse.Namespace) -> None:
+    """The run's useful FLOPs, TFLOP/s and MFU (and those of the engine timed alone on the first shard)."""
+    layers = result["layers_run"] or shape["layers"]  # vLLM runs every layer
+    result["layers_run"] = layers
+    result["flops"] = extraction_flops(text, layers, measured)
+    result["tflops"] = result["flops"] / result["seconds"] / 1e12
+    result["mfu"] = result["tflops"] / args.peak_tflops
+    alone = result.get("engine_alone")
+    if alone:
+        alone["flops"] = extraction_flops(text, layers, lengths[alone["shard"]])
+        alone["tflops"] = alone["flops"] / alone["seconds"] / 1e12
+        alone["mfu"] = alone["tflops"] / args.peak_tflops
+
+
+def say_reference(say: Any, reference: dict) -> None:
+    layers = ", ".join(f"{e:.2e}" for e in reference["per_layer_whole"])
+    say(f"reference: transformers vs {reference['reference_class']} ({reference['dtype']}, each sample alone, "
+        f"Transformers' PyTorch kernels) over {len(reference['samples'])} samples: worst relative error per layer "
+        f"[{layers}], worst {reference['worst_whole']:.3e}, at a token {reference['worst_token']:.3e}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group()
@@ -342,7 +540,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="work directory, kept (default: a temporary one, removed)")
     parser.add_argument("--json", action="store_true", help="the report as one JSON object on stdout (text to stderr)")
-    parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--json-file", type=Path, help="also write the report as JSON to this file")
+    parser.add_argument("--peak-tflops", type=float, default=790.0,
+                        help="the device's peak for MFU (default 790: one H200, bfloat16)")
+    parser.add_argument("--reference-samples", type=int, default=0,
+                        help="compare this many of the Transformers engine's stored samples (first round) with the "
+                        "checkpoint's own class run alone in --dtype (default 0: none)")
+    parser.add_argument("--child", choices=[*ENGINES, "reference"], help=argparse.SUPPRESS)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -372,6 +578,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.child == "reference":
+        return run_reference(args)
     if args.child:
         return run_child(args)
     out = sys.stderr if args.json else sys.stdout
@@ -386,13 +594,16 @@ def main(argv: list[str] | None = None) -> int:
     shape = describe_model(model)
     if args.layers is None and not args.layer_ids:
         args.layers = max(1, min(5, shape["layers"] - 3))
+    if args.reference_samples and "transformers" not in args.engines:
+        raise SystemExit("--reference-samples checks the Transformers engine's states: add it to --engines")
     work = args.out or Path(tempfile.mkdtemp(prefix="dfq-bench-extract-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         shard_ids = [f"bench-{i:03d}" for i in range(args.shards)]
         (work / "shards.json").write_text(json.dumps(shard_ids))
         shutil.rmtree(work / "inputs", ignore_errors=True)
-        write_inputs(work / "inputs", shard_ids, args, shape["vocab"])
+        lengths = write_inputs(work / "inputs", shard_ids, args, shape["vocab"])
+        measured = [n for shard in shard_ids for n in lengths[shard]]
         layers = f"ids {args.layer_ids}" if args.layer_ids else f"K={args.layers} (DFlash ids)"
         say(f"model: {shape['path']} ({shape['model_type']}, {shape['layers']} layers, hidden {shape['hidden']}), "
             f"{args.dtype} on {args.device}; layers {layers}, stored {args.hidden_dtype}; vLLM: max_model_len "
@@ -405,13 +616,19 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, list[dict]] = {engine: [] for engine in args.engines}
         rounds: list[dict] = []
         agree: dict[str, Any] | None = None
+        reference: dict[str, Any] | None = None
+        text = read_text_config(model)
         for number in range(1, args.rounds + 1):
             order = list(args.engines) if number % 2 else list(reversed(args.engines))
             load, this = os.getloadavg()[0], {}
             for engine in order:
                 this[engine] = result = run_engine(args, model, work, engine, number)
                 results[engine].append(result)
+                add_flops(result, text, shape, measured, lengths, args)
                 say_run(say, result, args)
+            if number == 1 and args.reference_samples:
+                reference = reference_agreement(args, model, work, this["transformers"]["store"])
+                say_reference(say, reference)
             if len(this) == 2:
                 v, t = this["vllm"], this["transformers"]
                 if v["tokens"] != t["tokens"]:
@@ -429,20 +646,41 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(result["store"], ignore_errors=True)
 
         report: dict[str, Any] = {"model": shape, "baseline_bytes": baseline, "engines": {}, "rounds": rounds,
-                                  "agreement": agree, "settings": {k: vars(args)[k] for k in SETTINGS}}
+                                  "agreement": agree, "reference_agreement": reference,
+                                  "peak_tflops": args.peak_tflops, "settings": {k: vars(args)[k] for k in SETTINGS}}
         medians = {}
         for engine, runs in results.items():
             medians[engine] = statistics.median(r["tokens"] / r["seconds"] for r in runs)
             peak = max(r["peak_bytes"] for r in runs)
-            report["engines"][engine] = {"median_tokens_per_s": medians[engine], "peak_bytes": peak, "runs": runs}
+            summary = report["engines"][engine] = {
+                "median_tokens_per_s": medians[engine], "peak_bytes": peak, "runs": runs,
+                "median_mfu": statistics.median(r["mfu"] for r in runs),
+                "median_canary_share": statistics.median(r["canary"]["shard_share"] for r in runs),
+                "flops_per_token": runs[-1]["flops"] / runs[-1]["tokens"], "layers_run": runs[-1]["layers_run"],
+                "kernels": runs[-1]["kernels"], "mode": runs[-1]["mode"],
+            }
+            alone = [r["engine_alone"] for r in runs if r.get("engine_alone")]
+            if alone:
+                summary["engine_alone"] = {
+                    "median_tokens_per_s": statistics.median(a["tokens"] / a["seconds"] for a in alone),
+                    "median_mfu": statistics.median(a["mfu"] for a in alone),
+                }
             say(f"{engine}: median {medians[engine]:.1f} tokens/s over {plural(len(runs), 'round')}, peak host memory "
                 f"{peak / GIB:.3f} GiB (largest), load {runs[-1]['load_s']:.1f} s, {runs[-1]['task_slots']} task "
                 f"slots, mode {runs[-1]['mode']}")
+            say(f"{engine}: median MFU {summary['median_mfu']:.4g} against {args.peak_tflops:g} TFLOP/s "
+                f"({summary['flops_per_token'] / 1e9:.4g} GFLOP per token over {summary['layers_run']} layers)"
+                + (f"; the engine alone (no lane) {summary['engine_alone']['median_tokens_per_s']:.1f} tokens/s, "
+                   f"MFU {summary['engine_alone']['median_mfu']:.4g}" if alone else "")
+                + (f"; kernels: {', '.join(f'{k} = {v}' for k, v in summary['kernels'].items())}"
+                   if summary["kernels"] else ""))
         if len(medians) == 2:
             report["ratio"] = medians["vllm"] / medians["transformers"]
             say(f"ratio vllm/transformers: {report['ratio']:.3f} x (median of {plural(args.rounds, 'round')})")
         if args.json:
             print(json.dumps(report))
+        if args.json_file:
+            args.json_file.write_text(json.dumps(report, indent=1) + "\n")
     finally:
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)

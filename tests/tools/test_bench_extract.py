@@ -1,13 +1,12 @@
 """The two-engine extract benchmark in its quick mode on the CPU (vLLM's CPU build): both engines run, each in a
-process of its own, and the report parses and adds up. And the GPU check script that drives it parses and passes
-it (and the checkpoint builder) only options they have."""
+process of its own, and the report parses and adds up. (tests/tools/test_gpu_check.py runs the GPU check script
+that drives it.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -104,56 +103,16 @@ def test_quick_run_reports_both_engines_side_by_side(tiny_family, tmp_path):
         assert [run["round"] for run in report["engines"][engine]["runs"]] == [1, 2]
     assert report["baseline_bytes"] > 0 and report["settings"]["shard_size"] == 8
 
-
-def parser_of(tool: str):
-    spec = importlib.util.spec_from_file_location(tool, REPO / "tools" / f"{tool}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build_parser()
-
-
-def commands(script: str) -> list[list[str]]:
-    """The script's commands: continuation lines joined, split as the shell would (variables left as they are),
-    lists cut at `&&`, `||`, `;` and `|`."""
-    joined = re.sub(r"\\\n\s*", " ", script)
-    out: list[list[str]] = []
-    for line in joined.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        try:
-            words = shlex.split(line)
-        except ValueError:  # a line of a quoted Python snippet
-            continue
-        out.append([])
-        for word in words:
-            if word in ("&&", "||", ";", "|"):
-                out.append([])
-            else:
-                out[-1].append(word)
-    return out
-
-
-def test_the_gpu_check_script_parses_and_passes_the_tools_only_their_options():
-    script = REPO / "tools" / "gpu_check.sh"
-    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    parsers = {tool: parser_of(tool) for tool in ("bench_extract", "build_random_checkpoint")}
-    used = {name: set() for name in parsers}
-    for words in commands(script.read_text()):
-        # BENCH=(tools/bench_extract.py ...) and "${BENCH[@]}" stand for the bench's command line.
-        words = [w.removeprefix("BENCH=(").rstrip(")") for w in words]
-        tool = next((name for name in parsers if any(w.endswith(f"tools/{name}.py") for w in words)), None)
-        if tool is None and '${BENCH[@]}' in words:
-            tool = "bench_extract"
-        if tool is None:
-            continue
-        known = {option for action in parsers[tool]._actions for option in action.option_strings}
-        for word in words:
-            if word.startswith("--"):
-                assert word in known, f"{tool} has no option {word}"
-                used[tool].add(word)
-    assert {"--device", "--dtype", "--model", "--layer-ids", "--rounds", "--engines"} <= used["bench_extract"]
-    assert {"--like", "--layers", "--out"} <= used["build_random_checkpoint"]
-    # The hybrid shape it builds exists.
-    assert (REPO / "examples" / "qwen3.6-27b-class" / "config.json").is_file()
-    assert "examples/qwen3.6-27b-class/config.json" in script.read_text()
+    # MFU from the shapes: the same useful work for both engines (vLLM runs every layer; the Transformers engine
+    # drops those above the highest captured one), over each run's own time; as the GPU check's report reads it.
+    spec = importlib.util.spec_from_file_location("gpu_check_report", REPO / "tools" / "gpu_check_report.py")
+    report_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report_tool)
+    for engine in ("transformers", "vllm"):
+        figures = report_tool.engine_figures(report, engine)
+        for key in ("tokens_per_s", "mfu", "tflops", "flops_per_token", "canary_share"):
+            assert figures[key] > 0, (engine, key)
+        for run in report["engines"][engine]["runs"]:
+            assert close(run["mfu"], run["flops"] / run["seconds"] / 1e12 / 790.0)
+    assert report["engines"]["vllm"]["layers_run"] == 6 and report["engines"]["transformers"]["layers_run"] == 4
+    assert report["engines"]["transformers"]["engine_alone"]["median_tokens_per_s"] > 0
