@@ -36,7 +36,8 @@ class VllmEngineSettings(Section):
     """Engine arguments the vLLM engines of both lanes take, with the same meaning."""
 
     tensor_parallel_size: PositiveInt = 1
-    """GPUs one engine spans: the worker's GPU group (`worker --gpus 0-1-2-3`, the systemd install's groups)."""
+    """GPUs one engine spans: the worker's GPU group (`worker --gpus 0-3`, the systemd install's groups). On vLLM's
+    CPU build, its ranks' cores (VLLM_CPU_OMP_THREADS_BIND, set by the worker unless given)."""
     dtype: Literal["", "auto", "float32", "bfloat16", "float16"] = ""
     """Empty: model.dtype."""
     max_model_len: Annotated[int, Field(ge=0)] = 0
