@@ -14,13 +14,8 @@ from dflash_queue.config import load_config
 from dflash_queue.doctor import memory_utilization, run_doctor
 from dflash_queue.doctor.gpu import GIB, GpuInfo
 from dflash_queue.doctor.versions import check_versions
-from dflash_queue.doctor.vllm_engines import (
-    check_extract_engine,
-    check_tensor_parallel,
-    check_transfer_dir,
-    transfer_bytes,
-)
-from dflash_queue.engines.vllm_support import FORCED_SETTINGS
+from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
+from dflash_queue.engines.vllm_support import FORCED_SETTINGS, transfer_bytes
 from dfq_testing.configs import local_copy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,8 +68,13 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
     assert passed.verdict == "pass" and passed.detail.endswith("2 sequence(s) of 1,024 tokens need 0.0 GB")
     assert list(transfer.iterdir()) == []  # the probe file is gone
     monkeypatch.setattr(vllm_engines.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
-    short = check_transfer_dir(config, text)
-    assert short.verdict == "warn" and "a sequence whose states do not fit fails its task" in short.detail
+    short = check_transfer_dir(config, text)  # the worker refuses to start on it: the same words
+    assert short.verdict == "fail" and short.detail == (
+        f"{transfer}: the transfer directory {transfer} has 1.0 MB free, less than the 3.1 MB that "
+        "extract.vllm.inflight_tasks (2) sequences of max_model_len (1,024 tokens, 1.6 MB of states each) need: give "
+        "the container more shared memory (docker run --shm-size=1g), point extract.vllm.transfer_dir at a larger "
+        "tmpfs, or lower extract.vllm.inflight_tasks or extract.vllm.max_model_len"
+    )
     monkeypatch.undo()
     # A configured directory not there yet: the engine makes it, where its parent is writable.
     missing = make_config("missing.toml", extract={"engine": "vllm"},
