@@ -110,6 +110,11 @@ def test_a_cpu_engine_without_a_cache_size_gets_one(tiny_model, make_config, mon
     size_cpu_kv_cache(left, config.extract.vllm)
     assert "kv_cache_memory_bytes" not in left  # vLLM reads it
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    generate = {"model": str(tiny_model), "dtype": "float32", "max_model_len": 512}
+    size_cpu_kv_cache(generate, make_config("generate.toml").generate.vllm)  # max_num_seqs (256) sequences
+    assert generate["kv_cache_memory_bytes"] == int(256 * 512 * 3072 * CACHE_HEADROOM)
+    with pytest.raises(ConfigError, match=r"^vLLM generate engine on the CPU: .* set generate.vllm.kv_cache_memory_gib"):
+        size_cpu_kv_cache({"model": str(tiny_model), "dtype": "float32", "max_model_len": 10**9}, config.generate.vllm)
     huge = {**left, "max_model_len": 10**9}
     with pytest.raises(ConfigError, match=r"^vLLM extract engine on the CPU: one sequence of max_model_len .* set "
                                           r"extract.vllm.kv_cache_memory_gib \(or VLLM_CPU_KVCACHE_SPACE\), or lower "
