@@ -153,9 +153,10 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
 CPU_CONFIG = REPO / "worker_configs" / "local-cpu.toml"
 
 
-def test_run_says_why_the_vllm_engine_did_not_start(tiny_model, tmp_path):
+def test_run_says_why_the_vllm_engine_did_not_start_and_runs_once_the_setting_is_gone(tiny_model, tmp_path):
     """The shipped CPU config with the extract lane on vLLM and a KV cache no machine has: the engine's processes
-    fail, the worker's error and `run`'s name the root cause vLLM logged (not "See root cause above")."""
+    fail, the worker's error and `run`'s name the root cause vLLM logged (not "See root cause above"). Without the
+    setting (no cache size at all, as the config ships) the same job runs through."""
     import tomllib
 
     import tomli_w
@@ -180,3 +181,11 @@ def test_run_says_why_the_vllm_engine_did_not_start(tiny_model, tmp_path):
         "memory on node 0"
     ), run.stderr[-4000:]
     assert "less than requested memory for kv (100000.0 GiB)" in error
+    del tables["extract"]["vllm"]["kv_cache_memory_gib"]
+    path.write_text(tomli_w.dumps(tables))
+    rerun = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-4000:]
+    assert "shards:            1 done, 0 failed" in rerun.stdout
