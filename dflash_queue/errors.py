@@ -38,6 +38,21 @@ class GenerationRejected(PermanentError):
     """The engine refused a request (a prompt longer than the context, say); retrying cannot help."""
 
 
+class TransientIOError(DflashQueueError):
+    """A local file system refused a write in a way that may pass (full, failing: ENOSPC, EIO). The task is retried
+    later and counted as a transient retry, like a broken connection; nothing of it is stored meanwhile."""
+
+
+class StatesHandOverFailed(TransientIOError):
+    """The vLLM engine could not write a sequence's states into its transfer directory (extract.vllm.transfer_dir):
+    the directory's file system was full or failing."""
+
+
+class EngineStartFailed(DflashQueueError):
+    """The engine did not start; the message names the root cause its processes reported (out of memory, a setting
+    the engine refuses). The worker exits with it."""
+
+
 class EngineUnavailable(DflashQueueError):
     """The worker's resident engine has died; the worker must restart before it takes more tasks."""
 

@@ -162,9 +162,11 @@ def run_single_box(
                     break
                 for worker in workers:
                     if not worker.alive():
+                        error = worker.error()
                         raise RunFailed(
-                            f"the {worker.lane} worker exited with code {worker.process.returncode}; "
-                            f"log {worker.log_path}:\n{worker.log_tail()}"
+                            f"the {worker.lane} worker exited with code {worker.process.returncode}"
+                            + (f": {error}" if error else "")
+                            + f"; log {worker.log_path}:\n{worker.log_tail()}"
                         )
                 time.sleep(poll_s)
 

@@ -71,8 +71,7 @@ def run_config(tmp_path: Path, model_path: Path, name: str, engine: str, storage
                 "max_model_len": 1024,
                 "max_num_batched_tokens": STEP_TOKENS,
                 "max_num_seqs": 16,
-                "enforce_eager": True,
-                "kv_cache_memory_gib": 0.5,
+                "enforce_eager": True,  # no KV cache size: the worker sizes it on a CPU (engines/vllm_host.py)
                 "log_stats_interval_s": 0,
                 "shutdown_timeout_s": 30,
             },
@@ -105,6 +104,9 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
     worker_log = (tmp_path / "state-vllm" / "logs" / "extract.log").read_text()
     assert "vLLM extract engine: prefix caching off" in worker_log
     assert "canary tolerance 1.00e-05" in worker_log
+    # No KV cache size was given: the worker sized it for 12 sequences (2 tasks of 6) of the engine's context.
+    assert re.search(r"vLLM extract engine on the CPU: KV cache [\d.]+ GiB per rank for 12 sequence\(s\) of 1024 "
+                     r"tokens", worker_log)
 
     dataset = ShardDataset(tmp_path / "out", hidden_dtype=torch.float32)
     assert len(dataset) == SAMPLES
@@ -146,3 +148,44 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
         # Each within 1e-5 of the truth per element (above); between them, the relative L2 error per layer.
         assert compare_states(got["hidden_states"], expected["hidden_states"]).worst <= 1e-5
 
+
+
+CPU_CONFIG = REPO / "worker_configs" / "local-cpu.toml"
+
+
+def test_run_says_why_the_vllm_engine_did_not_start_and_runs_once_the_setting_is_gone(tiny_model, tmp_path):
+    """The shipped CPU config with the extract lane on vLLM and a KV cache no machine has: the engine's processes
+    fail, the worker's error and `run`'s name the root cause vLLM logged (not "See root cause above"). Without the
+    setting (no cache size at all, as the config ships) the same job runs through."""
+    import tomllib
+
+    import tomli_w
+
+    from dfq_testing.configs import local_copy
+
+    path = local_copy(CPU_CONFIG, tmp_path, model=tiny_model, tokenizer=tiny_model, broker_url="")
+    tables = tomllib.loads(path.read_text())
+    tables["extract"]["engine"] = "vllm"
+    tables["extract"]["vllm"] = {"kv_cache_memory_gib": 100000.0, "enforce_eager": True, "log_stats_interval_s": 0}
+    path.write_text(tomli_w.dumps(tables))
+    dataset_file = tmp_path / "prompts.jsonl"
+    dataset_file.write_text("\n".join((REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:4]))
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert run.returncode != 0
+    error = next(line for line in run.stderr.splitlines() if line.startswith("Error: "))
+    assert error.startswith(
+        "Error: the extract worker exited with code 1: the vLLM extract engine did not start: ValueError: Available "
+        "memory on node 0"
+    ), run.stderr[-4000:]
+    assert "less than requested memory for kv (100000.0 GiB)" in error
+    del tables["extract"]["vllm"]["kv_cache_memory_gib"]
+    path.write_text(tomli_w.dumps(tables))
+    rerun = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-4000:]
+    assert "shards:            1 done, 0 failed" in rerun.stdout

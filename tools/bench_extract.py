@@ -117,7 +117,8 @@ def config_path(args: argparse.Namespace, model: Path, engine: str, store: Path,
 
     vllm: dict[str, Any] = {
         "dtype": args.dtype, "tensor_parallel_size": args.tensor_parallel_size, "max_model_len": args.max_model_len,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory_gib": args.kv_cache_gib,
+        "max_num_batched_tokens": args.max_num_batched_tokens or args.token_budget,
+        "kv_cache_memory_gib": args.kv_cache_gib,
         "enforce_eager": args.enforce_eager, "log_stats_interval_s": 0, "shutdown_timeout_s": 60,
     }
     extract: dict[str, Any] = {"engine": engine, "hidden_dtype": args.hidden_dtype, "token_budget": args.token_budget,
@@ -526,13 +527,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="extract.hidden_dtype (default: the model's dtype)")
     parser.add_argument("--layers", type=int, help="K, extract.num_draft_layers (default 5, or N - 3 for N < 8)")
     parser.add_argument("--layer-ids", type=lambda s: [int(x) for x in s.split(",")], help="explicit ids, e.g. 1,3,5")
-    parser.add_argument("--token-budget", type=int, default=16384, help="extract.token_budget (Transformers)")
+    parser.add_argument("--token-budget", type=int, default=16384,
+                        help="extract.token_budget (Transformers' tokens a pass; vLLM's a step unless told otherwise)")
     parser.add_argument("--canary-samples", type=int, default=1, help="extract.canary_samples, run in every task")
     parser.add_argument("--canary-measured", type=int, default=8, help="samples rerun alone after the timed part")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="extract.vllm.tensor_parallel_size")
     parser.add_argument("--max-model-len", type=int, help="extract.vllm.max_model_len (default: --max-len rounded up "
                         "to 256 above it)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="extract.vllm (0: vLLM's default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=0,
+                        help="extract.vllm.max_num_batched_tokens, the vLLM engine's tokens a step (0: --token-budget, "
+                        "as the worker's default is extract.token_budget)")
     parser.add_argument("--kv-cache-gib", type=float, help="extract.vllm.kv_cache_memory_gib (default 0.5 on the "
                         "CPU; on CUDA 0: sized by vLLM)")
     parser.add_argument("--enforce-eager", action="store_true",

@@ -33,14 +33,18 @@ def _lane_group_options(command):
     """One --LANE option per lane of the registry: that lane's workers' GPU groups."""
     for lane in reversed(LANES):
         command = click.option(
-            f"--{lane}", f"{lane}_groups", default=None, help=f"{lane.capitalize()} workers' GPU groups: 0,1 or 0-1,2-3."
+            f"--{lane}",
+            f"{lane}_groups",
+            default=None,
+            help=f"{lane.capitalize()} workers' GPU groups, comma-separated: 0,1 (two workers), 0-3,4-7 (ranges), "
+            "0_2 (GPUs 0 and 2).",
         )(command)
     return command
 
 
 @systemd.command("install")
 @config_option
-@click.option("--gpus", default=None, help="This node's GPUs, a count (8) or a list (0,1,2,3); checks the layout.")
+@click.option("--gpus", default=None, help="This node's GPUs, a count (8) or a list (0,1,2,3 or 0-3); checks the layout.")
 @_lane_group_options
 @click.option("--flower/--no-flower", default=True, show_default=True, help="Also install dflash-flower.service.")
 @click.option("--dest", type=click.Path(file_okay=False, path_type=Path), default=Path("/etc/systemd/system"),
@@ -71,8 +75,9 @@ def systemd_install(
 ) -> None:
     """Write the units and their environment file for CONFIG and this node's GPU layout.
 
-    Instance names are GPU ids joined by '-': --generate 0-1,2-3 --extract 4,5 makes dflash-generate@0-1
-    (CUDA_VISIBLE_DEVICES=0,1), dflash-generate@2-3, dflash-extract@4 and dflash-extract@5.
+    Commas separate workers, a group is a range or GPUs joined by '_': --generate 0-1,2-3 --extract 4,5,6_7 makes
+    dflash-generate@0-1 (CUDA_VISIBLE_DEVICES=0,1), dflash-generate@2-3, dflash-extract@4, dflash-extract@5 and
+    dflash-extract@6-7.
     """
     from dflash_queue.ops.gpus import parse_gpu_list
     from dflash_queue.ops.systemd import (

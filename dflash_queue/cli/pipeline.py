@@ -76,32 +76,34 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
 @click.option(
     "--gpus",
     default=None,
-    help="GPUs of this worker: 0, or 0-1 for a group (CUDA_VISIBLE_DEVICES); a vLLM lane's group has exactly its "
-    "vllm.tensor_parallel_size GPUs, the Transformers extract engine spreads its layers over its group.",
+    help="GPUs of this worker (CUDA_VISIBLE_DEVICES): 0, a range 0-3, a list 0,2 (or 0_2, as in a systemd "
+    "instance name); a vLLM lane's group has exactly its vllm.tensor_parallel_size GPUs, the Transformers extract "
+    "engine spreads its layers over its group. Indices this node does not have are refused.",
 )
 def worker(
     lane: str, config_path: Path, concurrency: int | None, hostname: str | None, loglevel: str, gpus: str | None
 ) -> None:
     """Run a LANE worker: load the engine once, then consume the lane's queue until stopped (SIGTERM)."""
-    group = None
+    from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
+
+    config = load(config_path)
     if gpus is not None:
-        from dflash_queue.ops.gpus import parse_gpu_group, visible_devices
+        from dflash_queue.ops.gpus import missing_gpus_error, node_gpus, parse_gpu_group, visible_devices
 
         try:
             group = parse_gpu_group(gpus)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--gpus") from None
+        tensor_parallel = vllm_tensor_parallel(config).get(lane)
+        error = group_size_error(lane, group, tensor_parallel) if tensor_parallel is not None else None
+        error = error or missing_gpus_error(group, node_gpus())
+        if error:
+            raise click.BadParameter(f"{gpus}: {error}", param_hint="--gpus")
         # Before anything can initialise CUDA: the engine sees only these GPUs, renumbered from 0.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(group)
-    from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
+        click.echo(f"GPUs {visible_devices(group)} (CUDA_VISIBLE_DEVICES)", err=True)
     from dflash_queue.queue.worker import run_worker
 
-    config = load(config_path)
-    tensor_parallel = vllm_tensor_parallel(config).get(lane)
-    if group is not None and tensor_parallel is not None:
-        error = group_size_error(lane, group, tensor_parallel)
-        if error:
-            raise click.BadParameter(error, param_hint="--gpus")
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
     try:

@@ -19,6 +19,7 @@ from dflash_queue.doctor.speculative import check_speculative
 from dflash_queue.doctor.storage import check_configured_storage
 from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
+from dflash_queue.doctor.workers import check_worker_settings
 from dflash_queue.engines.vllm_args import speculative_method
 from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 
@@ -55,6 +56,7 @@ def run_doctor(
     if tokenizer is not None:
         checks.append(check_thinking_template(tokenizer, config.dataset.thinking))
     tensor_parallel = vllm_tensor_parallel(config)
+    checks += check_worker_settings(config)
     checks += check_versions(vllm_needed_by=list(tensor_parallel))
     if config.extract.engine == "vllm":
         checks += _extract_engine_checks(config)

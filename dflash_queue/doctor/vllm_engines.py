@@ -13,9 +13,13 @@ from typing import Any
 
 from dflash_queue.config import Config
 from dflash_queue.doctor.result import Check
-from dflash_queue.engines.devices import GPU_DTYPE_BYTES
-from dflash_queue.engines.layers import vllm_aux_layer_ids
-from dflash_queue.engines.vllm_support import DEFAULT_TRANSFER_DIR, FORCED_SETTINGS, vllm_refusal
+from dflash_queue.engines.vllm_support import (
+    DEFAULT_TRANSFER_DIR,
+    FORCED_SETTINGS,
+    transfer_bytes,
+    transfer_room_shortfall,
+    vllm_refusal,
+)
 from dflash_queue.errors import ConfigError
 
 GB = 1000**3
@@ -62,20 +66,10 @@ def check_tensor_parallel(tensor_parallel: Mapping[str, int], visible_gpus: int)
     return checks
 
 
-def transfer_bytes(config: Config, text_config: Any) -> int:
-    """Room the transfer directory needs: the states of extract.vllm.inflight_tasks sequences of max_model_len
-    tokens (every aux layer the engine caches, in its dtype); the directory holds a few sequences at a time."""
-    settings = config.extract.vllm
-    num_layers = int(text_config.num_hidden_layers)
-    aux = vllm_aux_layer_ids(config.extract.captured_entries(num_layers), num_layers)
-    tokens = config.extract_context_len()
-    dtype_bytes = GPU_DTYPE_BYTES[settings.dtype or config.model.dtype]
-    return tokens * len(aux) * int(text_config.hidden_size) * dtype_bytes * settings.inflight_tasks
-
-
 def check_transfer_dir(config: Config, text_config: Any) -> Check:
     """The directory the extract engine's processes hand states over in: writable, in memory, with room for
-    extract.vllm.inflight_tasks sequences of the engine's whole context."""
+    extract.vllm.inflight_tasks sequences of the engine's whole context (`transfer_room_shortfall`, which the
+    worker refuses to start on)."""
     name = "extract transfer dir"
     configured = config.extract.vllm.transfer_dir
     path = Path(configured) if configured else DEFAULT_TRANSFER_DIR
@@ -98,12 +92,13 @@ def check_transfer_dir(config: Config, text_config: Any) -> Check:
     free = shutil.disk_usage(existing).free
     try:
         needed = transfer_bytes(config, text_config)
+        shortfall = transfer_room_shortfall(config, text_config, existing)
     except (ConfigError, ValueError) as exc:
         return Check.warned(name, f"{path}{created}: {free / GB:,.1f} GB free; cannot size the states ({exc})")
-    detail = (
+    if shortfall:  # the worker refuses to start on it
+        return Check.failed(name, f"{path}{created}: {shortfall}")
+    return Check.passed(
+        name,
         f"{path}{created}: {free / GB:,.1f} GB free; {config.extract.vllm.inflight_tasks} sequence(s) of "
-        f"{config.extract_context_len():,} tokens need {needed / GB:,.1f} GB"
+        f"{config.extract_context_len():,} tokens need {needed / GB:,.1f} GB",
     )
-    if free < needed:
-        return Check.warned(name, f"{detail}: a sequence whose states do not fit fails its task")
-    return Check.passed(name, detail)

@@ -36,7 +36,8 @@ class VllmEngineSettings(Section):
     """Engine arguments the vLLM engines of both lanes take, with the same meaning."""
 
     tensor_parallel_size: PositiveInt = 1
-    """GPUs one engine spans: the worker's GPU group (`worker --gpus 0-1-2-3`, the systemd install's groups)."""
+    """GPUs one engine spans: the worker's GPU group (`worker --gpus 0-3`, the systemd install's groups). On vLLM's
+    CPU build, its ranks' cores (VLLM_CPU_OMP_THREADS_BIND, set by the worker unless given)."""
     dtype: Literal["", "auto", "float32", "bfloat16", "float16"] = ""
     """Empty: model.dtype."""
     max_model_len: Annotated[int, Field(ge=0)] = 0
@@ -46,11 +47,13 @@ class VllmEngineSettings(Section):
     max_num_seqs: PositiveInt = 256
     """Sequences the engine runs at once."""
     max_num_batched_tokens: Annotated[int, Field(ge=0)] = 0
-    """Tokens per engine step; 0: vLLM's default."""
+    """Tokens per engine step; 0: vLLM's default (the extract engine's: extract.token_budget)."""
     enforce_eager: bool = False
     """Run without CUDA graphs (slower; for debugging)."""
     kv_cache_memory_gib: Annotated[float, Field(ge=0)] = 0.0
-    """KV cache size; 0 lets vLLM size it (from gpu_memory_utilization, or VLLM_CPU_KVCACHE_SPACE on CPU)."""
+    """KV cache size per rank; 0 lets vLLM size it from gpu_memory_utilization on a GPU. On vLLM's CPU build, 0 (and
+    no VLLM_CPU_KVCACHE_SPACE) sizes it for the sequences the lane keeps in flight at max_model_len, within a quarter
+    of the memory free at start."""
     log_stats_interval_s: Annotated[float, Field(ge=0)] = 60.0
     """Seconds between vLLM's throughput log lines; 0 turns them off."""
     shutdown_timeout_s: PositiveFloat = 60.0
@@ -188,7 +191,7 @@ class ExtractConfig(Section):
     """Explicit decoder-layer ids (output of layer i); when set they win over the DFlash default."""
     token_budget: PositiveInt = 16384
     """Transformers engine: tokens per forward pass (sequences are packed; a longer sequence runs alone). Halved on
-    out-of-memory. (The vLLM engine batches by extract.vllm.max_num_batched_tokens.)"""
+    out-of-memory. The vLLM engine's tokens per step (max_num_batched_tokens) unless extract.vllm sets them."""
     hidden_dtype: Literal["bfloat16", "float16", "float32", "fp8_e4m3"] = "bfloat16"
     """fp8_e4m3: half the bytes of bfloat16, one fp32 scale per token and layer; readers dequantise."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"

@@ -61,19 +61,29 @@ from dflash_queue.engines.state_checks import CanaryTolerance, calibrate, compar
 from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
 from dflash_queue.engines.vllm_states_connector import (
     CANARY_PARAM,
+    ERROR_SUFFIX,
     FAULTS_KEY,
+    IO_ERROR_SUFFIX,
     SAMPLE_PARAM,
     STATES_PATH_KEY,
     STATES_TENSOR,
     TOKENS_TENSOR,
     TRANSFER_DIR_KEY,
 )
-from dflash_queue.engines.vllm_support import DEFAULT_TRANSFER_DIR, FORCED_SETTINGS, vllm_refusal
+from dflash_queue.engines.vllm_support import (
+    DEFAULT_TRANSFER_DIR,
+    FORCED_SETTINGS,
+    transfer_bytes,
+    transfer_room_shortfall,
+    vllm_refusal,
+)
 from dflash_queue.errors import (
+    ConfigError,
     EngineStatesInvalid,
     EngineUnavailable,
     GenerationRejected,
     NonFiniteHiddenStates,
+    StatesHandOverFailed,
     UnsupportedArchitecture,
 )
 from dflash_queue.faults import ExtractFaults
@@ -105,6 +115,7 @@ def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: st
     return {
         **common_engine_args(config, settings),
         "max_model_len": config.extract_context_len(),
+        "max_num_batched_tokens": step_tokens(config),
         "enable_prefix_caching": False,  # see vllm_support.FORCED_SETTINGS
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "kv_cache_dtype": settings.kv_cache_dtype,
@@ -122,6 +133,20 @@ def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: st
             "kv_connector_extra_config": extra,
         },
     }
+
+
+def step_tokens(config: Config) -> int:
+    """Tokens one engine step prefills: extract.vllm.max_num_batched_tokens, else extract.token_budget (the
+    Transformers engine's tokens per pass), and never less than one whole sequence without chunked prefill."""
+    settings = config.extract.vllm
+    tokens = settings.max_num_batched_tokens or config.extract.token_budget
+    return tokens if settings.enable_chunked_prefill else max(tokens, config.extract_context_len())
+
+
+def sequences_in_flight(config: Config) -> int:
+    """The sequences the lane keeps in the engine: every task in flight submits its shard at once."""
+    settings = config.extract.vllm
+    return min(settings.max_num_seqs, settings.inflight_tasks * config.dataset.shard_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -161,6 +186,24 @@ def make_transfer_dir(base: Path) -> Path:
     return path
 
 
+def open_transfer_dir(config: Config, text_config: Any) -> Path:
+    """This engine's transfer directory (`make_transfer_dir` under `transfer_base`), once its file system is seen
+    to hold extract.vllm.inflight_tasks maximal sequences' states; else the worker refuses to start, saying which
+    settings (or the container's --shm-size) fix it, rather than fail every long sample's task later."""
+    base = transfer_base(config.extract.vllm.transfer_dir)
+    directory = make_transfer_dir(base)
+    shortfall = transfer_room_shortfall(config, text_config, directory)
+    if shortfall:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise ConfigError(f"{config.source}: vLLM extract engine: {shortfall}")
+    log.info(
+        "vLLM extract engine: states pass through %s (%.2f GB free, %.2f GB for %d sequences of %d tokens)",
+        directory, shutil.disk_usage(directory).free / 1e9, transfer_bytes(config, text_config) / 1e9,
+        config.extract.vllm.inflight_tasks, config.extract_context_len(),
+    )
+    return directory
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -173,7 +216,8 @@ def _pid_alive(pid: int) -> bool:
 
 class StatesArrivals:
     """Futures for the files the connector will write, resolved by one task that looks at the directory (rather
-    than one poller per request): a file appears whole (renamed into place), or `<name>.error` appears."""
+    than one poller per request): a file appears whole (renamed into place), or `<name>.ioerror` (the file system
+    refused the write: StatesHandOverFailed, retried) or `<name>.error` (EngineStatesInvalid) appears."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -212,13 +256,29 @@ class StatesArrivals:
                 if name in present:
                     future.set_result(str(self.directory / name))
                     found = True
-                elif f"{name}.error" in present:
-                    reason = (self.directory / f"{name}.error").read_text(errors="replace")
-                    (self.directory / f"{name}.error").unlink(missing_ok=True)
+                elif f"{name}{IO_ERROR_SUFFIX}" in present:  # the file system refused: the task is retried
+                    reason = self._take(f"{name}{IO_ERROR_SUFFIX}") or "the transfer directory is full or failing"
+                    future.set_exception(StatesHandOverFailed(
+                        f"the vLLM engine could not write states into {self.directory}: {reason} (see "
+                        "extract.vllm.transfer_dir)"
+                    ))
+                    found = True
+                elif f"{name}{ERROR_SUFFIX}" in present:
+                    reason = self._take(f"{name}{ERROR_SUFFIX}")
                     future.set_exception(EngineStatesInvalid(f"the vLLM engine could not hand over states: {reason}"))
                     found = True
             delay = SCAN_MIN_S if found else min(delay * 2, SCAN_MAX_S)
             await asyncio.sleep(delay)
+
+    def _take(self, name: str) -> str:
+        """The reason the connector left in `name`, which is removed."""
+        path = self.directory / name
+        try:
+            return path.read_text(errors="replace")
+        except OSError:
+            return ""
+        finally:
+            path.unlink(missing_ok=True)
 
 
 
@@ -297,14 +357,20 @@ class VllmStateExtractor:
         self._captures_lock = threading.Lock()
 
         vllm_runtime.prepare_environment(settings)
-        self.transfer_dir = make_transfer_dir(transfer_base(settings.transfer_dir))
+        self.transfer_dir = open_transfer_dir(config, text)
         for setting, why in FORCED_SETTINGS:
             log.info("vLLM extract engine: %s (%s)", setting, why)
         if settings.enable_chunked_prefill:
             log.info("vLLM extract engine: chunked prefill on; every sequence is checked whole before it is stored")
         args = extract_engine_args(config, wanted, str(self.transfer_dir))
+        log.info(
+            "vLLM extract engine: max_num_batched_tokens %d (%s)", args["max_num_batched_tokens"],
+            "extract.vllm.max_num_batched_tokens" if settings.max_num_batched_tokens else "extract.token_budget",
+        )
         try:
-            self._resident = ResidentVllmEngine(args, settings, "vllm-extract-loop")
+            self._resident = ResidentVllmEngine(
+                args, settings, "vllm-extract-loop", in_flight=sequences_in_flight(config)
+            )
         except BaseException:
             shutil.rmtree(self.transfer_dir, ignore_errors=True)
             raise

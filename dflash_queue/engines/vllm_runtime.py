@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine
+import re
+import stat
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from dflash_queue.config import Config
+from dflash_queue.engines import vllm_host
 from dflash_queue.engines.config import VllmEngineSettings
 from dflash_queue.engines.loop_thread import EventLoopThread
-from dflash_queue.errors import EngineUnavailable
+from dflash_queue.errors import EngineStartFailed, EngineUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,60 @@ def prepare_environment(settings: VllmEngineSettings) -> None:
     # engine's event loop): forking it could copy a held lock into the child. Spawn starts them clean, and
     # never inherits a CUDA context either.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    vllm_host.bind_rank_threads(settings)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Why an engine did not start
+
+# vLLM's engine processes write to this process's stdout and stderr, each line behind "(EngineCore pid=N) " and
+# colour codes; their exceptions reach this process only as "Engine core initialization failed. See root cause
+# above."
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_PROCESS_PREFIX = re.compile(r"^\((?:[\w.-]+ )?pid=\d+\) ?")
+# vLLM's log records: "ERROR 12-05 10:00:31 [core.py:1510] " before each line of a logged traceback.
+_RECORD_PREFIX = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Refused)\b(?::.*)?$")
+
+
+class OutputMark:
+    """Where this process's stdout and stderr end now, when they are files (as under `dflash-queue run` and the
+    tests), so that what vLLM's processes wrote after it can be read back (a terminal, a pipe or the journal
+    cannot be: nothing is marked then)."""
+
+    def __init__(self) -> None:
+        self.ends: dict[tuple[int, int], tuple[int, int]] = {}  # (device, inode) -> (fd, size now)
+        for fd in (1, 2):
+            try:
+                info = os.fstat(fd)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode):
+                self.ends.setdefault((info.st_dev, info.st_ino), (fd, info.st_size))
+
+    def written_since(self, limit: int = 4 << 20) -> list[str]:
+        lines: list[str] = []
+        for fd, start in self.ends.values():
+            try:  # a file of its own through /proc: the fd's offset is left alone, a deleted file still read
+                with open(f"/proc/self/fd/{fd}", "rb") as out:
+                    out.seek(start)
+                    lines += out.read(limit).decode(errors="replace").splitlines()
+            except OSError:
+                continue
+        return lines
+
+
+def root_cause(lines: Iterable[str]) -> str | None:
+    """The first exception a traceback in `lines` ends with ("ValueError: ..."), vLLM's process and log-record
+    prefixes and colour codes taken off; else the first line that looks like one; None without either."""
+    cleaned = [_RECORD_PREFIX.sub("", _PROCESS_PREFIX.sub("", _ANSI.sub("", line))).rstrip() for line in lines]
+    in_traceback = False
+    for line in cleaned:
+        if line.startswith("Traceback (most recent call last)"):
+            in_traceback = True
+        elif in_traceback and line and not line[0].isspace():
+            return line
+    return next((line for line in cleaned if _EXCEPTION_LINE.match(line)), None)
 
 
 def token_prompt(engine: Any, prompt_ids: list[int]) -> Any:
@@ -86,14 +143,30 @@ def token_prompt(engine: Any, prompt_ids: list[int]) -> Any:
 class ResidentVllmEngine:
     """An `AsyncLLM` started once from `engine_args`, with the loop that drives it."""
 
-    def __init__(self, engine_args: dict[str, Any], settings: VllmEngineSettings, loop_name: str) -> None:
+    def __init__(
+        self, engine_args: dict[str, Any], settings: VllmEngineSettings, loop_name: str, *, in_flight: int = 0
+    ) -> None:
+        """`in_flight`: the sequences the lane keeps in the engine (default max_num_seqs), which a CPU device's KV
+        cache is sized for when none is set (engines/vllm_host.py)."""
         from vllm import AsyncEngineArgs
 
         self.settings = settings
         self._stats_task: asyncio.Task | None = None
+        engine_args = dict(engine_args)
+        vllm_host.size_cpu_kv_cache(engine_args, settings, in_flight=in_flight)
         self._loop = EventLoopThread(loop_name)
+        mark = OutputMark()
         try:
             self.engine: Any = self._loop.run(self._start(AsyncEngineArgs(**engine_args)))
+        except Exception as exc:
+            self._loop.stop()
+            # An engine process's failure reaches this process as "... See root cause above.": that cause is in
+            # what the process wrote; anything else was raised here and says itself why.
+            cause = root_cause(mark.written_since()) if "root cause" in str(exc) else None
+            raise EngineStartFailed(
+                f"the vLLM {vllm_host.lane_of(settings)} engine did not start: "
+                f"{cause or f'{type(exc).__name__}: {exc}'}"
+            ) from exc
         except BaseException:
             self._loop.stop()
             raise

@@ -7,7 +7,8 @@ and hands their ids to the worker side in the next step's metadata; the worker s
 only: every rank holds the same residual stream) gathers the sequence's rows and writes them, with the token ids,
 as one safetensors file in the engine's transfer directory, a tmpfs (`extract.vllm.transfer_dir`): memory shared
 with the extract worker, which reads it, checks it and removes it. The file appears whole (written under a
-temporary name, then renamed); a write that fails leaves `<name>.error` with the reason instead.
+temporary name, then renamed); a write that fails leaves `<name>.ioerror` (the file system refused: full or
+failing, worth a retry) or `<name>.error` (anything else) with the reason instead.
 
 Wholeness: the blocks of the hidden-state group are zeroed when the scheduler allocates them, before the forward
 pass that first writes them (`bind_connector_metadata`). A token whose state the engine never wrote is then an
@@ -21,10 +22,12 @@ Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": 
 Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
 unwritten, shift by one token or swap the states of named samples, or hand them over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
 of a sample alone are never altered: the faults stand for batching bugs, which a batch of one does not have.
+`"no_space": [id, ...]` makes the first write of each named sample's states fail as a full tmpfs would (ENOSPC).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +49,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, whose handler prints from vLLM's processes (with the process's name).
+log = logging.getLogger(f"vllm.{__name__}")
 
 # The key of kv_transfer_params (in the request's output) that names the file holding its states.
 STATES_PATH_KEY = "dfq_states_path"
@@ -58,6 +62,9 @@ SAMPLE_PARAM = "sample"
 CANARY_PARAM = "canary"
 STATES_TENSOR = "hidden_states"
 TOKENS_TENSOR = "token_ids"
+# Suffixes of the file left beside a states file that could not be written: an I/O failure (retried), or another.
+IO_ERROR_SUFFIX = ".ioerror"
+ERROR_SUFFIX = ".error"
 
 
 def states_file(transfer_dir: str, request_id: str) -> str:
@@ -123,8 +130,10 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         # Worker side.
         self._cache: torch.Tensor | None = None
         self._writer = True  # tensor-parallel rank 0; set in register_kv_caches
+        self._rank = 0
         self._copies: dict[str, Any] = {}  # request id -> CUDA event of its device-to-host copy (None: done)
         self._held: dict[str, tuple[StatesTransfer, torch.Tensor]] = {}  # a swap fault's first half
+        self._no_space = set(self._faults.get("no_space", ()))  # samples whose first write fails (test fault)
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -186,10 +195,16 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.config import get_layers_from_vllm_config
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         from vllm.model_executor.models.extract_hidden_states import CacheOnlyAttentionLayer
 
-        self._writer = get_tensor_model_parallel_rank() == 0
+        rank, ranks = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        self._rank, self._writer = rank, rank == 0
+        log.info(
+            "hidden-states connector, tensor-parallel rank %d of %d: %s", rank, ranks,
+            f"writes each finished sequence's states to {self._dir}" if self._writer
+            else "writes nothing (rank 0 holds the same residual stream)",
+        )
         layers = list(get_layers_from_vllm_config(self._vllm_config, CacheOnlyAttentionLayer, list(kv_caches)))
         if len(layers) != 1:
             raise ValueError(f"expected one hidden-state cache layer, found {len(layers)}: {layers}")
@@ -266,7 +281,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if self._cache is not None and self._cache.is_cuda:
             self._copy_and_write_async(transfer, states, tokens)
         else:
-            _write_states(transfer.path, states.clone(), tokens)
+            _write_states(transfer.path, states.clone(), tokens, fail_with=self._write_fault(transfer))
             self._copies[transfer.request_id] = None
 
     def _copy_and_write_async(self, transfer: StatesTransfer, states: torch.Tensor, tokens: torch.Tensor) -> None:
@@ -283,10 +298,11 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             copied.record(self._stream)
         self._copies[transfer.request_id] = copied
         assert self._pool is not None
+        fault = self._write_fault(transfer)
 
         def write() -> None:
             copied.synchronize()
-            _write_states(transfer.path, host, tokens)
+            _write_states(transfer.path, host, tokens, fail_with=fault)
 
         self._pool.submit(write)
 
@@ -320,7 +336,17 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 return other_states
         return states
 
+    def _write_fault(self, transfer: StatesTransfer) -> int:
+        """The errno the write of this transfer fails with (test fault `no_space`, first write only); 0: none."""
+        if transfer.canary or transfer.sample not in self._no_space:
+            return 0
+        self._no_space.discard(transfer.sample)
+        return errno.ENOSPC
+
     def shutdown(self) -> None:
+        if self._cache is not None:  # the worker side
+            log.info("hidden-states connector, tensor-parallel rank %d: wrote %d states file(s)", self._rank,
+                     _files_written)
         if self._pool is not None:
             self._pool.shutdown(wait=True)
 
@@ -329,24 +355,43 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return "LBNHC"  # each token's K states together, as the gather above reads them
 
 
-def _write_states(path: str, states: torch.Tensor, tokens: torch.Tensor) -> None:
-    """The file appears whole or not at all; a failure leaves `<path>.error` with the reason."""
+# States files this process wrote (only tensor-parallel rank 0 writes any).
+_files_written = 0
+
+
+def _write_states(path: str, states: torch.Tensor, tokens: torch.Tensor, *, fail_with: int = 0) -> None:
+    """The file appears whole or not at all; a failure leaves `<path>.ioerror` (the file system refused it: full,
+    failing) or `<path>.error` (anything else) with the reason. `fail_with`: an errno to fail with (test fault)."""
+    global _files_written
     partial = f"{path}.partial"
     try:
+        if fail_with:
+            raise OSError(fail_with, os.strerror(fail_with), partial)
         save_file({STATES_TENSOR: states.contiguous(), TOKENS_TENSOR: tokens}, partial)
         os.replace(partial, path)
+        _files_written += 1
     except Exception as exc:
-        _write_error(path, f"writing {path} failed: {type(exc).__name__}: {exc}")
+        _write_error(path, f"writing {path} failed: {type(exc).__name__}: {exc}", io_error=_is_io_error(exc))
         try:
             os.unlink(partial)
         except OSError:
             pass
 
 
-def _write_error(path: str, message: str) -> None:
+def _is_io_error(exc: Exception) -> bool:
+    """An error of the file system (ENOSPC, EIO, ...): an OSError, or safetensors' error wrapping one."""
+    return isinstance(exc, OSError) or (type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc))
+
+
+def _write_error(path: str, message: str, *, io_error: bool = False) -> None:
+    """`<path>.ioerror` or `<path>.error` holding `message`. A file system too full for the message still gets
+    the (empty) file: its name alone tells the worker what happened."""
     log.error("%s", message)
     try:
-        with open(f"{path}.error", "w") as out:
-            out.write(message)
+        with open(f"{path}{IO_ERROR_SUFFIX if io_error else ERROR_SUFFIX}", "w") as out:
+            try:
+                out.write(message)
+            except OSError:
+                pass
     except OSError:
         log.exception("cannot leave the error beside %s", path)

@@ -1,13 +1,23 @@
-"""Whether vLLM can extract a target's hidden states exactly, from its config alone, and the settings the extract
-lane's vLLM engine forces (with why). Read by the engine at load and by `doctor`."""
+"""Whether vLLM can extract a target's hidden states exactly, from its config alone, the settings the extract
+lane's vLLM engine forces (with why), and the room its transfer directory needs. Read by the engine at load and by
+`doctor`."""
 
 from __future__ import annotations
 
 import logging
+import math
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from dflash_queue.engines.devices import GPU_DTYPE_BYTES
+from dflash_queue.engines.layers import vllm_aux_layer_ids
+
+if TYPE_CHECKING:
+    from dflash_queue.config import Config
 
 log = logging.getLogger(__name__)
+GB = 1000**3
 
 # Where the extract engine hands states over when extract.vllm.transfer_dir is empty: memory (tmpfs).
 DEFAULT_TRANSFER_DIR = Path("/dev/shm")
@@ -71,3 +81,45 @@ def _version() -> str:
         return str(vllm.__version__)
     except ImportError:
         return "?"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The transfer directory's room
+
+
+def sample_states_bytes(config: Config, text_config: Any) -> int:
+    """The states the connector hands over for one sequence of the engine's whole context (max_model_len tokens),
+    at every aux layer the engine caches, in its dtype: the largest file in the transfer directory."""
+    num_layers = int(text_config.num_hidden_layers)
+    aux = vllm_aux_layer_ids(config.extract.captured_entries(num_layers), num_layers)
+    dtype_bytes = GPU_DTYPE_BYTES[config.extract.vllm.dtype or config.model.dtype]
+    return config.extract_context_len() * len(aux) * int(text_config.hidden_size) * dtype_bytes
+
+
+def transfer_bytes(config: Config, text_config: Any) -> int:
+    """Room the transfer directory needs: one maximal sequence's states for each task in flight
+    (extract.vllm.inflight_tasks); the directory holds a few sequences at a time."""
+    return sample_states_bytes(config, text_config) * config.extract.vllm.inflight_tasks
+
+
+def transfer_room_shortfall(config: Config, text_config: Any, directory: Path) -> str | None:
+    """Why `directory` cannot take the states of extract.vllm.inflight_tasks maximal sequences (None: it can),
+    with the settings and the container option that fix it. The worker refuses to start on it; `doctor` fails."""
+    free = shutil.disk_usage(directory).free
+    needed = transfer_bytes(config, text_config)
+    if free >= needed:
+        return None
+    settings = config.extract.vllm
+    one = sample_states_bytes(config, text_config)
+    shm_gb = max(1, math.ceil(needed * 1.25 / 1024**3))
+    return (
+        f"the transfer directory {directory} has {_size(free)} free, less than the {_size(needed)} that "
+        f"extract.vllm.inflight_tasks ({settings.inflight_tasks}) sequences of max_model_len "
+        f"({config.extract_context_len():,} tokens, {_size(one)} of states each) need: give the container more "
+        f"shared memory (docker run --shm-size={shm_gb}g), point extract.vllm.transfer_dir at a larger tmpfs, or "
+        "lower extract.vllm.inflight_tasks or extract.vllm.max_model_len"
+    )
+
+
+def _size(count: float) -> str:
+    return f"{count / GB:,.2f} GB" if count >= GB else f"{count / 1000**2:,.1f} MB"

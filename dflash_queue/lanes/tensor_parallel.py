@@ -28,9 +28,10 @@ def group_size_error(lane: str, group: Sequence[int], tensor_parallel_size: int)
     """Why a worker of `lane` cannot run on `group` (None: it can)."""
     if len(group) == tensor_parallel_size:
         return None
-    name = "-".join(str(gpu) for gpu in group)
+    listed = ",".join(str(gpu) for gpu in group)
+    example = "0" if tensor_parallel_size == 1 else f"0-{tensor_parallel_size - 1}"
     return (
-        f"{lane} GPU group {name} has {len(group)} GPU(s) but {lane}.vllm.tensor_parallel_size is "
+        f"{lane} GPU group {listed} has {len(group)} GPU(s) but {lane}.vllm.tensor_parallel_size is "
         f"{tensor_parallel_size}: a vLLM engine spans exactly tensor_parallel_size GPUs; give groups of "
-        f"{tensor_parallel_size} (e.g. {'-'.join(str(i) for i in range(tensor_parallel_size))}) or change the setting"
+        f"{tensor_parallel_size} (e.g. {example}) or change the setting"
     )

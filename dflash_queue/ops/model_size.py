@@ -1,5 +1,5 @@
 """A target's size from its text config's shapes: parameters (all of them, and those one token goes through in a
-mixture of experts) and the attention cache one token takes, without loading a weight.
+mixture of experts) and the attention cache one token takes (engines/cache_shapes.py), without loading a weight.
 
 The shapes are those of Transformers' own decoder classes: attention (q, k, v, o; the gated query of Qwen3.5 and
 Qwen3-Next; q/k norms; biases; gpt-oss's sinks), multi-head latent attention (DeepSeek-V3), Gated DeltaNet linear
@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_queue.engines.architecture import ATTENTION_LAYERS, LINEAR_ATTENTION, profile_config
+from dflash_queue.engines.architecture import LINEAR_ATTENTION
+from dflash_queue.engines.cache_shapes import (  # noqa: F401  (kv_cache_bytes_per_token, kv_heads_per_rank: this module's API too)
+    attention_dims,
+    is_latent_attention,
+    kv_cache_bytes_per_token,
+    kv_heads_per_rank,
+    latent_cache_width,
+    layer_kinds,
+)
 
 # Text models whose attention layers normalise queries and keys per head (q_norm, k_norm).
 QK_NORM = frozenset(
@@ -71,19 +79,6 @@ def count_parameters(text: Any) -> ParameterCount:
     )
 
 
-def layer_kinds(text: Any) -> tuple[str, ...]:
-    """Each decoder layer's token mixer (full_attention, sliding_attention, linear_attention, ...)."""
-    return profile_config(text).layer_types
-
-
-def attention_dims(text: Any) -> tuple[int, int, int]:
-    """(query heads, key/value heads, head size)."""
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return heads, kv_heads, head_dim
-
-
 def attention_parameters(text: Any) -> int:
     if is_latent_attention(text):
         return latent_attention_parameters(text)
@@ -98,11 +93,6 @@ def attention_parameters(text: Any) -> int:
     if text.model_type in SINKS:
         count += heads
     return count
-
-
-def is_latent_attention(text: Any) -> bool:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): keys and values from a compressed latent."""
-    return bool(getattr(text, "kv_lora_rank", None))
 
 
 def latent_attention_parameters(text: Any) -> int:
@@ -122,11 +112,6 @@ def latent_attention_parameters(text: Any) -> int:
     if bias:
         count += kv_rank + rope + hidden
     return count
-
-
-def latent_cache_width(text: Any) -> int:
-    """What multi-head latent attention caches per token and layer: the latent and the rotary key part."""
-    return int(text.kv_lora_rank) + int(text.qk_rope_head_dim)
 
 
 def linear_attention_parameters(text: Any) -> int:
@@ -222,20 +207,3 @@ def checkpoint_total_size(path: str | Path) -> int | None:
         return None
     total = json.loads(index.read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
     return int(total) if total else None
-
-
-def kv_heads_per_rank(kv_heads: int, tensor_parallel_size: int) -> int:
-    """Key/value heads each tensor-parallel rank caches: fewer heads than ranks are replicated (vLLM's
-    `get_num_kv_heads`), so the cache stops shrinking at one head per rank."""
-    return max(1, kv_heads // tensor_parallel_size)
-
-
-def kv_cache_bytes_per_token(text: Any, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
-    """Keys and values one token takes on one rank, over the attention layers. Multi-head latent attention caches its latent instead. Sliding-window layers count in
-    full: an extraction's tokens are all being prefilled, when a window has freed nothing yet. Linear-attention
-    layers hold a fixed state per sequence instead, left out here."""
-    layers = sum(kind in ATTENTION_LAYERS for kind in layer_kinds(text))
-    if is_latent_attention(text):  # one latent per token, the same on every rank
-        return layers * latent_cache_width(text) * dtype_bytes
-    _, kv_heads, head_dim = attention_dims(text)
-    return 2 * layers * kv_heads_per_rank(kv_heads, tensor_parallel_size) * head_dim * dtype_bytes

@@ -53,6 +53,11 @@ class WorkerProcess:
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
 
+    def error(self, chars: int = 64_000) -> str | None:
+        """The error the worker command exited with (its last "Error: ..." line), None when it printed none."""
+        lines = self.log_tail(chars).splitlines()
+        return next((line.removeprefix("Error: ") for line in reversed(lines) if line.startswith("Error: ")), None)
+
     def wait_ready(self, app: Celery, timeout: float = 120.0) -> None:
         """Block until the worker answers a control ping (engine loaded, consuming)."""
         if not self.hostname:

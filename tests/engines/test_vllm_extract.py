@@ -49,6 +49,7 @@ FAULTS = {
     "shift": ["fault-shift"],
     "swap": [["fault-swap-a", "fault-swap-b"]],
     "other_tokens": ["fault-tokens"],
+    "no_space": ["fault-nospace"],
 }
 
 
@@ -254,6 +255,26 @@ def test_states_handed_over_for_other_tokens_fail_the_task(config, extractor):
     with pytest.raises(EngineStatesInvalid, match=r"sample fault-tokens: the vLLM engine returned the states of 50 "
                                                    r"other tokens for this sequence of 50"):
         run_lane(config, extractor, "vllm-tokens")
+
+
+def test_a_full_transfer_directory_fails_the_task_for_a_retry_and_the_retry_stores_the_shard(config, extractor):
+    """The connector's write of one sample's states fails as on a full tmpfs (ENOSPC, first write only): the task
+    fails with a transient error (the queue retries it and counts the retry, queue/tasks.py), nothing is stored,
+    and the next run of the task stores the whole shard."""
+    from dflash_queue.errors import StatesHandOverFailed, TransientIOError
+    from dflash_queue.queue.tasks import TRANSIENT_ERRORS
+
+    write_completions(config, "vllm-nospace", {**NORMAL, "fault-nospace": 80})
+    with pytest.raises(StatesHandOverFailed, match=r"could not write states into \S+: writing \S+ failed: OSError: "
+                                                   r"\[Errno 28\] No space left on device") as failed:
+        run_lane(config, extractor, "vllm-nospace")
+    assert isinstance(failed.value, TransientIOError) and isinstance(failed.value, TRANSIENT_ERRORS)
+    assert not open_storage(config.storage).exists(shard_key("vllm-nospace"))
+    summary, storage = run_lane(config, extractor, "vllm-nospace")
+    assert summary.num_samples == 4 and not summary.poisoned
+    with storage.local_copy(shard_key("vllm-nospace")) as path:
+        assert sorted(TrainingShard(path).sample_ids) == sorted([*NORMAL, "fault-nospace"])
+    assert not list(extractor.transfer_dir.iterdir())  # no file or error left behind
 
 
 def test_the_connector_zeroes_the_blocks_the_scheduler_hands_out_before_the_step_writes_them():

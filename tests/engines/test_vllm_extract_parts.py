@@ -21,7 +21,7 @@ from dflash_queue.engines.vllm_extract import (
     extract_engine_args,
     make_transfer_dir,
 )
-from dflash_queue.errors import EngineStatesInvalid
+from dflash_queue.errors import EngineStatesInvalid, StatesHandOverFailed
 
 
 def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
@@ -48,6 +48,22 @@ def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
     finally:
         faults.uninstall()
     assert injected["faults"] == {"zero": ["a"]}
+
+
+def test_the_engine_steps_extract_token_budget_tokens_unless_told_otherwise(make_config):
+    """vLLM's own default under the engine context is 2,048 tokens a step; the lane's token budget is the figure
+    its operator sized (and the Transformers engine's tokens per pass)."""
+    config = make_config(dataset={"max_model_len": 1000}, extract={"engine": "vllm", "token_budget": 6000})
+    assert extract_engine_args(config, [1], "/dev/shm/x")["max_num_batched_tokens"] == 6000
+    small = make_config("small.toml", dataset={"max_model_len": 1000}, extract={"engine": "vllm", "token_budget": 300})
+    assert extract_engine_args(small, [1], "/dev/shm/x")["max_num_batched_tokens"] == 300  # chunked prefill
+    unchunked = make_config("unchunked.toml", dataset={"max_model_len": 1000},
+                            extract={"engine": "vllm", "token_budget": 300},
+                            **{"extract.vllm": {"enable_chunked_prefill": False}})
+    assert extract_engine_args(unchunked, [1], "/dev/shm/x")["max_num_batched_tokens"] == 1001  # a whole sequence
+    told = make_config("told.toml", extract={"engine": "vllm", "token_budget": 6000},
+                       **{"extract.vllm": {"max_num_batched_tokens": 512}})
+    assert extract_engine_args(told, [1], "/dev/shm/x")["max_num_batched_tokens"] == 512
 
 
 @pytest.mark.vllm
@@ -120,6 +136,8 @@ def test_states_arrive_when_their_file_appears_whole_or_fail_with_the_connectors
         arrivals = StatesArrivals(tmp_path)
         waiting = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.0.safetensors"), timeout=5))
         failing = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.1.safetensors"), timeout=5))
+        full = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.3.safetensors"), timeout=5))
+        too_full = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.4.safetensors"), timeout=5))
         late = asyncio.ensure_future(arrivals.wait(str(tmp_path / "c0.2.safetensors"), timeout=0.2))
         await asyncio.sleep(0.05)
         assert not waiting.done()
@@ -127,14 +145,55 @@ def test_states_arrive_when_their_file_appears_whole_or_fail_with_the_connectors
         await asyncio.sleep(0.05)
         assert not waiting.done()
         os.replace(tmp_path / "c0.0.safetensors.partial", tmp_path / "c0.0.safetensors")
-        (tmp_path / "c0.1.safetensors.error").write_text("writing failed: No space left on device")
+        (tmp_path / "c0.1.safetensors.error").write_text("gathering the states failed: ValueError: 3 blocks")
+        # The file system refused the write: retried, not a wrong engine.
+        (tmp_path / "c0.3.safetensors.ioerror").write_text("OSError: [Errno 28] No space left on device")
+        (tmp_path / "c0.4.safetensors.ioerror").write_text("")  # too full even for the reason
         assert await waiting == str(tmp_path / "c0.0.safetensors")
-        with pytest.raises(EngineStatesInvalid, match="No space left on device"):
+        with pytest.raises(EngineStatesInvalid, match="3 blocks"):
             await failing
+        with pytest.raises(StatesHandOverFailed, match=r"into \S+: OSError: \[Errno 28\] No space left on device"):
+            await full
+        with pytest.raises(StatesHandOverFailed, match="the transfer directory is full or failing"):
+            await too_full
         with pytest.raises(TimeoutError):
             await late
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c0.0.safetensors"]  # the reasons were taken
 
     asyncio.run(scenario())
+
+
+def test_the_transfer_directory_must_hold_the_tasks_in_flight(make_config, tmp_path):
+    """One maximal sequence's states for each task in flight, measured on the directory's file system (a container's
+    /dev/shm is 64 MB unless --shm-size says otherwise): else the worker refuses to start, naming the fixes."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from dflash_queue.engines.vllm_extract import open_transfer_dir
+    from dflash_queue.engines.vllm_support import sample_states_bytes, transfer_bytes
+    from dflash_queue.errors import ConfigError
+
+    base = tmp_path / "shm"
+    settings = {"transfer_dir": str(base), "max_model_len": 4096, "dtype": "bfloat16"}
+    config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {**settings, "inflight_tasks": 2}})
+    text = AutoConfig.from_pretrained(config.model.path)
+    # 4,096 tokens x 3 aux layers (layers 1, 2, 3 of the tiny model) x hidden 128 x 2 bytes (bfloat16).
+    assert sample_states_bytes(config, text) == 4096 * 3 * 128 * 2
+    assert transfer_bytes(config, text) == 2 * sample_states_bytes(config, text)
+    directory = open_transfer_dir(config, text)
+    assert directory.parent == base and directory.is_dir()
+    # As many tasks in flight as this file system's free room holds maximal sequences, and one more.
+    fitting = shutil.disk_usage(base).free // sample_states_bytes(config, text)
+    crowded = make_config("crowded.toml", extract={"engine": "vllm"},
+                          **{"extract.vllm": {**settings, "inflight_tasks": fitting + 1}})
+    with pytest.raises(ConfigError) as refused:
+        open_transfer_dir(crowded, text)
+    message = str(refused.value)
+    assert message.startswith(f"{crowded.source}: vLLM extract engine: the transfer directory {base}/dfq-states-")
+    assert f"extract.vllm.inflight_tasks ({fitting + 1}) sequences of max_model_len (4,096 tokens" in message
+    assert "docker run --shm-size=" in message and "point extract.vllm.transfer_dir at a larger tmpfs" in message
+    assert [p for p in base.iterdir()] == [directory]  # the refused engine's directory is gone again
 
 
 def test_a_canary_rerun_waits_for_the_captures_holding_the_engine_and_keeps_new_ones_waiting():

@@ -18,7 +18,7 @@ def test_the_lanes_on_vllm_and_their_tensor_parallel_size(make_config):
 def test_a_group_must_have_exactly_tensor_parallel_size_gpus():
     assert group_size_error("extract", (4, 5, 6, 7), 4) is None
     assert group_size_error("extract", (0, 1), 4) == (
-        "extract GPU group 0-1 has 2 GPU(s) but extract.vllm.tensor_parallel_size is 4: a vLLM engine spans exactly "
-        "tensor_parallel_size GPUs; give groups of 4 (e.g. 0-1-2-3) or change the setting"
+        "extract GPU group 0,1 has 2 GPU(s) but extract.vllm.tensor_parallel_size is 4: a vLLM engine spans exactly "
+        "tensor_parallel_size GPUs; give groups of 4 (e.g. 0-3) or change the setting"
     )
     assert "has 8 GPU(s) but generate.vllm.tensor_parallel_size is 1" in group_size_error("generate", tuple(range(8)), 1)

@@ -99,7 +99,7 @@ def test_flower_sees_both_lanes_queues_and_finished_tasks(make_config, redis_url
         lengths = {q["name"]: q["messages"] for q in client.json("/api/queues/length")["active_queues"]}
         assert lengths == {"generate": 2, "extract": 0}
 
-        workers = [start_worker(config, "generate", extra_args=("--gpus", "0")), start_worker(config, "extract")]
+        workers = [start_worker(config, "generate"), start_worker(config, "extract")]
         wait_for_states(ledger, report.shard_ids, {DONE}, timeout=300, workers=workers)
 
         def finished_tasks():

@@ -22,6 +22,7 @@ from dflash_queue.ops.systemd import (
     render_units,
 )
 from dflash_queue.queue.app import configure_app
+from dfq_testing.gpus import fake_nvidia_smi
 
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed")
@@ -132,10 +133,14 @@ def test_a_vllm_lanes_groups_must_match_its_tensor_parallel_size(make_config, tm
     with pytest.raises(ValueError, match=r"^--generate: generate GPU group 2 has 1 GPU\(s\) but "
                                          r"generate.vllm.tensor_parallel_size is 2"):
         UnitLayout({"generate": ((0, 1), (2,))}).check(tensor_parallel=sizes)
-    with pytest.raises(ValueError, match=r"extract GPU group 4-5 has 2 GPU\(s\) but extract.vllm.tensor_parallel_size is 4"):
+    with pytest.raises(ValueError, match=r"extract GPU group 4,5 has 2 GPU\(s\) but extract.vllm.tensor_parallel_size is 4"):
         UnitLayout({"extract": ((4, 5),)}).check(tensor_parallel=sizes)
     # The Transformers extract engine spreads its layers over a group of any size.
     assert UnitLayout({"extract": ((0, 1, 2), (3,))}).check(tensor_parallel={"generate": 2}) == []
+    # Instance names read back as the same groups: ranges, and GPUs that are not one range joined by "_".
+    assert UnitLayout({"extract": ((0, 2), (4, 5, 6, 7))}).instances() == [
+        "dflash-extract@0_2.service", "dflash-extract@4-7.service", "dflash-flower.service"
+    ]
 
     from click.testing import CliRunner
 
@@ -148,6 +153,9 @@ def test_a_vllm_lanes_groups_must_match_its_tensor_parallel_size(make_config, tm
     assert refused.exit_code == 1 and not (tmp_path / "units").exists()
     assert "--extract: extract GPU group 2 has 1 GPU(s) but extract.vllm.tensor_parallel_size is 2" in refused.output
     assert CliRunner().invoke(main, [*install, "--extract", "0-1,2-3", "--generate", "4"]).exit_code == 0
+    # 0-3 is GPUs 0 to 3: a group of four where the engine spans two.
+    refused = CliRunner().invoke(main, [*install, "--extract", "0-3"])
+    assert "extract GPU group 0,1,2,3 has 4 GPU(s) but extract.vllm.tensor_parallel_size is 2" in refused.output
 
 
 def test_env_file_is_private_and_kept_unless_forced(make_config, tmp_path):
@@ -200,6 +208,8 @@ def test_generate_unit_command_starts_a_worker_named_for_its_gpus(make_config, t
     unit = (tmp_path / "units" / "dflash-generate@.service").read_text()
     command = systemd_command(unit, "0-1")
     env = {**os.environ, **environment(unit, s.env_file)}
+    # A node with two GPUs (this machine has none): `--gpus 0-1` is checked against its listing.
+    env["PATH"] = f"{fake_nvidia_smi(tmp_path / 'bin', 2)}{os.pathsep}{env['PATH']}"
     log = open(tmp_path / "worker.log", "wb")
     workdir = directive(unit, "WorkingDirectory")[0]
     worker = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)

@@ -50,12 +50,33 @@ def test_a_vllm_lane_worker_refuses_a_gpu_group_of_another_size(make_config, mon
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after: the command sets it
     config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"tensor_parallel_size": 2}})
-    result = CliRunner().invoke(main, ["worker", "extract", "-c", config.source, "--gpus", "0-1-2-3"])
+    # 0-3 is GPUs 0 to 3: four, not the two the engine spans.
+    result = CliRunner().invoke(main, ["worker", "extract", "-c", config.source, "--gpus", "0-3"])
     assert result.exit_code == 2
-    assert "extract GPU group 0-1-2-3 has 4 GPU(s) but extract.vllm.tensor_parallel_size is 2" in result.output
+    assert "extract GPU group 0,1,2,3 has 4 GPU(s) but extract.vllm.tensor_parallel_size is 2" in result.output
     generate = make_config("generate.toml", **tiny_vllm_overrides())
     result = CliRunner().invoke(main, ["worker", "generate", "-c", generate.source, "--gpus", "0,1"])
     assert result.exit_code == 2 and "generate.vllm.tensor_parallel_size is 1" in result.output
+
+
+def test_a_worker_refuses_gpus_the_node_does_not_have(make_config, monkeypatch, tmp_path):
+    import os
+
+    from click.testing import CliRunner
+
+    from dflash_queue.cli import main
+    from dfq_testing.gpus import fake_nvidia_smi
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"tensor_parallel_size": 4}})
+    # This machine has no GPU: said so.
+    result = CliRunner().invoke(main, ["worker", "extract", "-c", config.source, "--gpus", "0-3"])
+    assert result.exit_code == 2 and "this node has no GPU" in result.output, result.output
+    # A node whose nvidia-smi lists two GPUs: 2 and 3 are not there.
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path / 'bin', 2)}{os.pathsep}{os.environ['PATH']}")
+    result = CliRunner().invoke(main, ["worker", "extract", "-c", config.source, "--gpus", "0-3"])
+    assert result.exit_code == 2
+    assert "GPU 2, 3 not on this node: it has 2 (GPUs 0-1, from nvidia-smi)" in result.output
 
 
 def test_worker_refuses_to_start_when_the_bucket_is_missing(make_config, s3_tables, start_worker):
