@@ -190,7 +190,7 @@ class ExtractLane:
             with TrainingShardWriter(staged.path, rows, info, dropped=dropped) as writer:  # type: ignore[arg-type]
 
                 def deliver(index: int, captured: CapturedStates) -> None:
-                    writer.write(index, captured.states)
+                    writer.write(index, captured.states, captured.summary)
                     summaries[index] = captured.summary
                     picker.offer(index, captured.states, captured.pass_position)
 
