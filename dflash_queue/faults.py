@@ -19,11 +19,13 @@ installed says so in its metadata (`injected_faults`). The faults, a JSON object
                                             sequence that follows another in its pass get this share of the
                                             previous sequence's last state (after the load probe)
   {"extract_vllm_states": {"zero": [id], "constant": [id], "drop_tail": [id], "shift": [id],
-                           "swap": [[id, id]], "other_tokens": [id]}}
+                           "swap": [[id, id]], "other_tokens": [id], "nonfinite": {id: "nan" | "inf" | "-inf"}}}
                                             the vLLM engine's KV connector zeroes, makes constant, leaves the last
                                             half unwritten, shifts by one token or swaps these samples' states, or
-                                            hands them over with other token ids (never in the canary's reruns
-                                            alone), so that the checks that must catch such bugs are seen to
+                                            hands them over with other token ids, or puts a NaN or an infinity in
+                                            one of their values before it computes their statistics (never in the
+                                            canary's reruns alone), so that the checks that must catch such bugs
+                                            are seen to
 
 With nothing installed (always, in production), every hook is a no-op.
 """
