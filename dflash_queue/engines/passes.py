@@ -65,7 +65,7 @@ def padded_inputs(sequences: Sequence[Sequence[int]]) -> PassInputs:
 # for all its threads to be scheduled (measured on 2 shared cores: 20-50x slower than one thread). On a GPU, torch,
 # with larger chunks.
 HOST_CHUNK_BYTES = 1 << 20
-DEVICE_CHUNK_BYTES = 256 << 20
+DEVICE_CHUNK_BYTES = 64 << 20
 # Below this many tokens per thread, the calling thread does it alone.
 HOST_MIN_TOKENS_PER_THREAD = 64
 _HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
