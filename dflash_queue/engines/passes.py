@@ -117,8 +117,9 @@ def _host_stats_of_range(source: np.ndarray, out: np.ndarray, begin: int, end: i
             if scratch is None:
                 values = source[start:stop]
             elif bits:
-                values = np.left_shift(source[start:stop], 16, out=scratch[: stop - start], dtype=np.uint32)
-                values = values.view(np.float32)
+                widened = scratch[: stop - start]
+                widened[...] = source[start:stop]
+                values = np.left_shift(widened, 16, out=widened).view(np.float32)
             else:
                 values = scratch[: stop - start]
                 values[...] = source[start:stop]
