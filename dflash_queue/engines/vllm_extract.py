@@ -486,7 +486,7 @@ class VllmStateExtractor:
         )
         states, stats = received.states, received.stats
         if self._final_norm is not None and self._final_norm_entry is not None:
-            # In place: the tensors view a private mapping of the (removed) file, or a copy of it.
+            # In place: the tensors view this process's map of the (removed) file, or a copy of it.
             entry = self._final_norm_entry
             states[:, entry] = self._final_norm(states[:, entry])
             stats[:, entry] = token_stats(states[:, entry : entry + 1])[:, 0]

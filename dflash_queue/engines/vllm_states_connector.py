@@ -9,8 +9,9 @@ only: every rank holds the same residual stream) gathers the sequence's rows, re
 three, states, token ids and statistics, as one safetensors file in the engine's transfer directory, a tmpfs
 (`extract.vllm.transfer_dir`; the format: engines/vllm_states_file.py): memory shared with the extract worker,
 which maps it, checks the sequence from its token ids and statistics, and removes it. The states are read once
-more on the host, by the shard writer's copy: the checks travel with them, computed where they were. The file appears whole (written under a
-temporary name, then renamed); a write that fails leaves `<name>.error` with the reason instead.
+more on the host, by the shard writer's copy: the checks travel with them, computed where they were. The file
+appears whole (written under a temporary name, then renamed); a write that fails leaves `<name>.error` with the
+reason instead.
 
 Wholeness: the blocks of the hidden-state group are zeroed when the scheduler allocates them, before the forward
 pass that first writes them (`bind_connector_metadata`). A token whose state the engine never wrote is then an
@@ -23,7 +24,8 @@ CPU all of it happens in the step.
 
 Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": bool}, set by the worker).
 Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
-unwritten, shift by one token, swap, or put a NaN or an infinity into the states of named samples, or hand them over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
+unwritten, shift by one token, swap, or put a NaN or an infinity into the states of named samples, or hand them
+over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
 of a sample alone are never altered: the faults stand for batching bugs, which a batch of one does not have.
 """
 
