@@ -11,7 +11,8 @@ installed says so in its metadata (`injected_faults`). The faults, a JSON object
   {"task_delay_s": 2.0}                      every lane task sleeps this long before its work
   {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
   {"extract_break_packing": true}           the extract lane's packed sequences see each other (after the
-                                            engine's load probe), so that the run-time canary must catch it
+                                            engine's load probe), so that the run-time canary must catch it;
+  {"extract_break_packing": ["<shard id>", ...]}   the same on these shards only
   {"extract_ignore_window": true}           the extract lane's packed attention ignores sliding windows (after the
                                             load probe): only a sequence longer than the window shows it
   {"extract_leak_head": {"relative": 1e-3, "tokens": 8}}
@@ -19,11 +20,13 @@ installed says so in its metadata (`injected_faults`). The faults, a JSON object
                                             sequence that follows another in its pass get this share of the
                                             previous sequence's last state (after the load probe)
   {"extract_vllm_states": {"zero": [id], "constant": [id], "drop_tail": [id], "shift": [id],
-                           "swap": [[id, id]], "other_tokens": [id]}}
+                           "swap": [[id, id]], "other_tokens": [id], "nonfinite": {id: "nan" | "inf" | "-inf"}}}
                                             the vLLM engine's KV connector zeroes, makes constant, leaves the last
                                             half unwritten, shifts by one token or swaps these samples' states, or
-                                            hands them over with other token ids (never in the canary's reruns
-                                            alone), so that the checks that must catch such bugs are seen to
+                                            hands them over with other token ids, or puts a NaN or an infinity in
+                                            one of their values before it computes their statistics (never in the
+                                            canary's reruns alone), so that the checks that must catch such bugs
+                                            are seen to
 
 With nothing installed (always, in production), every hook is a no-op.
 """
@@ -114,11 +117,13 @@ class ExtractFaults:
         return self.break_packing or self.head_leak is not None or self.ignore_window
 
 
-def extract_faults() -> ExtractFaults:
+def extract_faults(shard_id: str = "") -> ExtractFaults:
+    """The Transformers engine's faults for a capture of `shard_id` ("": not a shard's own capture)."""
     found = _faults()
     leak = found.get("extract_leak_head")
+    breaking = found.get("extract_break_packing", False)
     return ExtractFaults(
-        break_packing=bool(found.get("extract_break_packing", False)),
+        break_packing=shard_id in breaking if isinstance(breaking, list) else bool(breaking),
         head_leak=(float(leak.get("relative", 1e-3)), int(leak.get("tokens", 8))) if leak else None,
         ignore_window=bool(found.get("extract_ignore_window", False)),
     )

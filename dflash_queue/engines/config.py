@@ -232,6 +232,13 @@ class ExtractConfig(Section):
     rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
     """A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
     that layer fails the task (with all-zero and constant layers): states no forward pass gives."""
+    stop_after_failed_checks: Annotated[int, Field(ge=0)] = 3
+    """A worker whose engine fails the canary or the state checks (plausibility, what the vLLM engine handed over)
+    on this many shards in a row, none passing between them, stops taking tasks and exits with status 78, which the
+    shipped systemd units do not restart on: a systematic fault (a failing GPU, a wrong kernel or setting) leaves
+    the remaining shards queued for a healthy worker instead of sending them all to the dead letters. The shard
+    that completes the streak is handed back to the queue; the ones before it are dead letters. `status` shows the
+    stop and why. 0: never stop."""
     max_unconsumed_shards: Annotated[int, Field(ge=0)] = 0
     """The window of a run trained while it extracts (`dflash_queue.live.LiveShards`): extraction waits while this
     many training shards are stored (or being extracted) that not every consumer has acknowledged yet; a waiting

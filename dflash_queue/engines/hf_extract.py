@@ -18,9 +18,12 @@ probe that compares a packed pass with each sequence run alone, and logged:
 The hooks copy each captured layer into one [tokens, K, H] buffer per pass, so only the K captured layers outlive
 their layer. On CUDA that buffer goes to pinned host memory on a side stream while the next pass computes; a
 pass's copy is awaited once the next pass is queued, and its sequences are then handed over (`deliver`: the lane
-writes them to the shard file and drops them), so the host holds about two passes of states. Per sequence and
-layer, a few statistics (largest and smallest value, median token RMS) are reduced on the device for the lane's
-plausibility checks.
+writes them to the shard file and drops them), so the host holds about two passes of states. The states are
+checked where they are computed, once: per token and layer the largest value, the smallest and the RMS
+(`passes.token_stats`) are reduced on the device before the copy, and only those [tokens, K, 3] statistics are
+looked at on the host: a sequence with a NaN or infinite value is named (its largest or smallest value is not
+finite), the others are handed over with their per-layer summary for the lane's plausibility checks, and the
+shard writer takes the summary as proof that its states were checked (it does not read them again).
 
 `reference_states` runs one sequence alone through the model's own attention (eager where SDPA would drop
 soft-capping or sinks): the ground truth the load probe and the lane's canary compare packed results with.
@@ -45,7 +48,14 @@ from dflash_queue.engines.devices import resolve_device, resolve_dtype, spread_g
 from dflash_queue.engines.extract_probe import confirm_mode, coverage_length
 from dflash_queue.engines.layers import captured_entries, resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, packed_attention, segment_sequences
-from dflash_queue.engines.passes import packed_inputs, padded_inputs, plan_passes, summarize, token_stats
+from dflash_queue.engines.passes import (
+    all_finite,
+    packed_inputs,
+    padded_inputs,
+    plan_passes,
+    summarize,
+    token_stats,
+)
 from dflash_queue.engines.state_checks import CanaryTolerance
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
 from dflash_queue.faults import ExtractFaults
@@ -57,7 +67,7 @@ __all__ = ["CapturedStates", "ExtractionRequest", "HiddenStateExtractor"]
 
 
 @dataclass
-class _PassResult:
+class PassResult:
     indices: list[int]
     spans: list[tuple[int, int]]  # each sequence's rows in `states`
     states: torch.Tensor  # [rows, K, H], on the CPU once `ready` has completed
@@ -215,9 +225,9 @@ class HiddenStateExtractor:
             if length < 1:
                 raise ValueError(f"sample {request.sample_id}: no input ids to extract")
         out: list[CapturedStates | None] = [None] * len(requests)
-        hand_over = deliver or out.__setitem__
+        deliver_one = deliver or out.__setitem__
         nonfinite: list[str] = []
-        in_flight: list[_PassResult] = []
+        in_flight: list[PassResult] = []
         pending = list(range(len(requests)))
         while pending:
             plan = plan_passes(self.mode, [lengths[i] for i in pending], self.effective_token_budget)
@@ -232,13 +242,13 @@ class HiddenStateExtractor:
                     break
                 # The pass before this one has been copying to the host while this one computed.
                 while len(in_flight) > 1:
-                    self._hand_over(in_flight.pop(0), requests, hand_over, nonfinite)
+                    hand_over(in_flight.pop(0), requests, deliver_one, nonfinite)
             if failed is None:
                 pending = []
             else:
                 self._recover_from_oom(failed, requests, lengths)
         while in_flight:
-            self._hand_over(in_flight.pop(0), requests, hand_over, nonfinite)
+            hand_over(in_flight.pop(0), requests, deliver_one, nonfinite)
         if nonfinite:
             raise NonFiniteHiddenStates.among(nonfinite, len(requests))
         return [] if deliver else out  # type: ignore[return-value]
@@ -276,7 +286,7 @@ class HiddenStateExtractor:
         captured: dict[int, CapturedStates] = {}
         nonfinite: list[str] = []
         run = self._run(list(range(len(requests))), requests, faults=faults)
-        self._hand_over(run, requests, captured.__setitem__, nonfinite)
+        hand_over(run, requests, captured.__setitem__, nonfinite)
         if nonfinite:
             raise NonFiniteHiddenStates.among(nonfinite, len(requests))
         return [captured[i] for i in range(len(requests))]
@@ -307,7 +317,7 @@ class HiddenStateExtractor:
         requests: Sequence[ExtractionRequest],
         *,
         faults: ExtractFaults | None = None,
-    ) -> _PassResult:
+    ) -> PassResult:
         sequences = [requests[i].input_ids for i in group]
         if self.mode == "packed":
             built = packed_inputs(sequences)
@@ -332,23 +342,7 @@ class HiddenStateExtractor:
                 self.use_mode(self.mode)
         if faults and faults.head_leak is not None:
             _leak_into_heads(buffer, spans, *faults.head_leak)
-        stats = token_stats(buffer)
-        if not self._cuda:
-            return _PassResult(group, spans, buffer, stats, None)
-        copy_stream = self._copy_stream
-        assert copy_stream is not None  # made whenever the device is CUDA
-        computed = torch.cuda.current_stream(self.device).record_event()
-        with torch.cuda.stream(copy_stream):
-            copy_stream.wait_event(computed)
-            host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=self._pin)
-            host.copy_(buffer, non_blocking=self._pin)
-            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=self._pin)
-            host_stats.copy_(stats, non_blocking=self._pin)
-            # The caching allocator must not hand these to the next pass before the copies have read them.
-            buffer.record_stream(copy_stream)
-            stats.record_stream(copy_stream)
-            ready = copy_stream.record_event()
-        return _PassResult(group, spans, host, host_stats, ready)
+        return finish_pass(group, spans, buffer, self._copy_stream, pin=self._pin)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         """Host to device without making the host wait for the queued kernels (from pinned memory on CUDA)."""
@@ -383,22 +377,6 @@ class HiddenStateExtractor:
             len(group), pass_tokens, self.effective_token_budget,
         )
 
-    @staticmethod
-    def _hand_over(
-        result: _PassResult,
-        requests: Sequence[ExtractionRequest],
-        deliver: Callable[[int, CapturedStates], None],
-        nonfinite: list[str],
-    ) -> None:
-        """Each finite sequence of a finished pass to `deliver`; the others are named in `nonfinite`."""
-        result.wait()
-        for position, ((start, end), index) in enumerate(zip(result.spans, result.indices)):
-            stats = result.token_stats[start:end]
-            if not torch.isfinite(stats[..., 2]).all():
-                nonfinite.append(requests[index].sample_id)
-                continue
-            deliver(index, CapturedStates(result.states[start:end], summarize(stats), position))
-
     def _capture_hook(self, position: int):
         def hook(_module: nn.Module, _inputs, output) -> None:
             hidden = output[0] if isinstance(output, tuple) else output
@@ -427,6 +405,51 @@ class HiddenStateExtractor:
     def _set_attention(self, name: str) -> None:
         if self.model.config._attn_implementation != name:
             self.model.set_attn_implementation(name)
+
+
+def finish_pass(
+    group: list[int],
+    spans: list[tuple[int, int]],
+    buffer: torch.Tensor,
+    copy_stream: torch.cuda.Stream | None,
+    *,
+    pin: bool = True,
+) -> PassResult:
+    """A pass's captured states [rows, K, H], checked where they are: their token statistics reduced on their device
+    (`token_stats`); then, on CUDA, states and statistics copied to the host on `copy_stream` (pinned memory when
+    `pin`), overlapping the next pass. On the CPU the buffer itself is the result."""
+    stats = token_stats(buffer)
+    if copy_stream is None:
+        return PassResult(group, spans, buffer, stats, None)
+    computed = torch.cuda.current_stream(buffer.device).record_event()
+    with torch.cuda.stream(copy_stream):
+        copy_stream.wait_event(computed)
+        host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=pin)
+        host.copy_(buffer, non_blocking=pin)
+        host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=pin)
+        host_stats.copy_(stats, non_blocking=pin)
+        # The caching allocator must not hand these to the next pass before the copies have read them.
+        buffer.record_stream(copy_stream)
+        stats.record_stream(copy_stream)
+        ready = copy_stream.record_event()
+    return PassResult(group, spans, host, host_stats, ready)
+
+
+def hand_over(
+    result: PassResult,
+    requests: Sequence[ExtractionRequest],
+    deliver: Callable[[int, CapturedStates], None],
+    nonfinite: list[str],
+) -> None:
+    """Each finite sequence of a finished pass to `deliver`, with its per-layer summary; the others are named in
+    `nonfinite`. Only the statistics are read here, never the states."""
+    result.wait()
+    for position, ((start, end), index) in enumerate(zip(result.spans, result.indices)):
+        stats = result.token_stats[start:end]
+        if not all_finite(stats):
+            nonfinite.append(requests[index].sample_id)
+            continue
+        deliver(index, CapturedStates(result.states[start:end], summarize(stats), position))
 
 
 def _layers_per_gpu(device_map: dict[str, int]) -> str:

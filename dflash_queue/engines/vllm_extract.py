@@ -18,7 +18,10 @@ Transformers engine writes for the same config; the shard's `extraction` says "v
 What is checked on every sequence before it is stored: the token ids the engine prefilled are the request's, the
 states have one row per token at every layer, and no row is all zero (the connector zeroes the cache blocks when
 they are allocated, so a row the engine never wrote shows as zeros: chunked prefill, preemption, or vLLM's
-all-zero bug for hybrid models, #46301). Then the lane's own checks (finite values, plausible RMS, canary).
+all-zero bug for hybrid models, #46301), and every value is finite. The connector computes each token's largest
+value, smallest and RMS where the states are (on the GPU) and sends them in the states file: these checks, and
+the lane's (plausible RMS, constant layers), read those statistics, not the states (engines/vllm_states_file.py).
+Then the canary.
 
 The canary reruns a sample as a batch of one through the same engine: it waits until the requests already in the
 engine have finished, and new ones wait for it (`EngineGate`). vLLM is not batch invariant on GPUs, so its
@@ -56,7 +59,7 @@ from dflash_queue.engines.decoder import read_layout
 from dflash_queue.engines.extract_probe import coverage_length
 from dflash_queue.engines.final_norm import FinalNorm
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
-from dflash_queue.engines.passes import summarize, token_stats
+from dflash_queue.engines.passes import all_finite, summarize, token_stats
 from dflash_queue.engines.state_checks import CanaryTolerance, calibrate, compare_states
 from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
 from dflash_queue.engines.vllm_states_connector import (
@@ -66,10 +69,9 @@ from dflash_queue.engines.vllm_states_connector import (
     IO_ERROR_SUFFIX,
     SAMPLE_PARAM,
     STATES_PATH_KEY,
-    STATES_TENSOR,
-    TOKENS_TENSOR,
     TRANSFER_DIR_KEY,
 )
+from dflash_queue.engines.vllm_states_file import receive_states
 from dflash_queue.engines.vllm_support import (
     DEFAULT_TRANSFER_DIR,
     FORCED_SETTINGS,
@@ -436,9 +438,8 @@ class VllmStateExtractor:
                         running.result()  # raises what ended it early
                     continue
                 received += 1
-                states = self._receive(requests[index], path)
-                stats = token_stats(states)
-                if not torch.isfinite(stats[..., 2]).all():
+                states, stats = self._receive(requests[index], path)
+                if not all_finite(stats):
                     nonfinite.append(requests[index].sample_id)
                     continue
                 hand_over(index, CapturedStates(states, summarize(stats), position))
@@ -461,7 +462,7 @@ class VllmStateExtractor:
         except BaseException:
             self._remove_files(capture)
             raise
-        return self._receive(request, path)
+        return self._receive(request, path)[0]
 
     def canary_tolerance(self) -> CanaryTolerance:
         return self._tolerance
@@ -543,40 +544,19 @@ class VllmStateExtractor:
             arrived.put((index, path))
         return path
 
-    def _receive(self, request: ExtractionRequest, path: str) -> torch.Tensor:
-        """The states the connector wrote for `request`, checked and in the captured entries' order: [T, K, H]."""
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(path)
-        finally:
-            Path(path).unlink(missing_ok=True)
-        states, tokens = tensors[STATES_TENSOR], tensors[TOKENS_TENSOR]
-        sample = request.sample_id
-        expected = torch.tensor(request.input_ids, dtype=tokens.dtype)
-        if tokens.shape != expected.shape or not torch.equal(tokens, expected):
-            raise EngineStatesInvalid(
-                f"sample {sample}: the vLLM engine returned the states of {tokens.numel()} other tokens for this "
-                f"sequence of {expected.numel()}"
-            )
-        shape = (expected.numel(), len(self.aux_ids), self.hidden_size)
-        if tuple(states.shape) != shape:
-            raise EngineStatesInvalid(
-                f"sample {sample}: the vLLM engine returned states of shape {tuple(states.shape)}, expected {shape} "
-                "(tokens, aux layers, hidden)"
-            )
-        unwritten = (states == 0).all(dim=-1)  # [T, aux]: a zeroed cache row the engine never wrote
-        if unwritten.any():
-            tokens_hit = unwritten.any(dim=1).nonzero().flatten()
-            layer = self.aux_ids[int(unwritten.any(dim=0).nonzero()[0])]
-            raise EngineStatesInvalid(
-                f"sample {sample}: the vLLM engine never wrote the states of {tokens_hit.numel()} of "
-                f"{expected.numel()} tokens (first token {int(tokens_hit[0])}, aux layer {layer}): all zero"
-            )
-        states = states.index_select(1, self._columns)
+    def _receive(self, request: ExtractionRequest, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states the connector wrote for `request`, checked from their token ids and statistics
+        (engines/vllm_states_file.py), in the captured entries' order: ([T, K, H], [T, K, 3] statistics)."""
+        received = receive_states(
+            path, request.sample_id, request.input_ids, self.aux_ids, self._columns, self.hidden_size
+        )
+        states, stats = received.states, received.stats
         if self._final_norm is not None and self._final_norm_entry is not None:
-            states[:, self._final_norm_entry] = self._final_norm(states[:, self._final_norm_entry])
-        return states
+            # In place: the tensors view this process's map of the (removed) file, or a copy of it.
+            entry = self._final_norm_entry
+            states[:, entry] = self._final_norm(states[:, entry])
+            stats[:, entry] = token_stats(states[:, entry : entry + 1])[:, 0]
+        return states, stats
 
     def _remove_files(self, capture: int) -> None:
         """Files of an abandoned capture: those already there (the connector may still write others; they go

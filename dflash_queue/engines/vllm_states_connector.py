@@ -4,23 +4,28 @@ vLLM's `extract_hidden_states` speculative method writes, at every engine step, 
 requested layers ("aux" layer ids) of every scheduled token into a cache group of its own ([blocks, K,
 block_size, H]). When a request finishes, the scheduler side of this connector keeps its blocks from being freed
 and hands their ids to the worker side in the next step's metadata; the worker side (tensor-parallel rank 0
-only: every rank holds the same residual stream) gathers the sequence's rows and writes them, with the token ids,
-as one safetensors file in the engine's transfer directory, a tmpfs (`extract.vllm.transfer_dir`): memory shared
-with the extract worker, which reads it, checks it and removes it. The file appears whole (written under a
-temporary name, then renamed); a write that fails leaves `<name>.ioerror` (the file system refused: full or
-failing, worth a retry) or `<name>.error` (anything else) with the reason instead.
+only: every rank holds the same residual stream) gathers the sequence's rows, reduces their per-token statistics
+(largest value, smallest, RMS per token and aux layer: engines/passes.py) on the cache's device, and writes the
+three, states, token ids and statistics, as one safetensors file in the engine's transfer directory, a tmpfs
+(`extract.vllm.transfer_dir`; the format: engines/vllm_states_file.py): memory shared with the extract worker,
+which maps it, checks the sequence from its token ids and statistics, and removes it. The states are read once
+more on the host, by the shard writer's copy: the checks travel with them, computed where they were. The file
+appears whole (written under a temporary name, then renamed); a write that fails leaves `<name>.ioerror` (the
+file system refused: full or failing, worth a retry) or `<name>.error` (anything else) with the reason instead.
 
 Wholeness: the blocks of the hidden-state group are zeroed when the scheduler allocates them, before the forward
 pass that first writes them (`bind_connector_metadata`). A token whose state the engine never wrote is then an
 all-zero row, which the extract worker refuses (see engines/vllm_extract.py). That makes chunked prefill and
 preemption safe to use: a sequence whose states are not whole never reaches a shard.
 
-On CUDA the rows are gathered on a side stream into pinned host memory and written by a thread, and the blocks
-are released once the copy is done; on CPU both happen in the step.
+On CUDA the statistics are computed on the device after the gather, then states and statistics are copied on a
+side stream into pinned host memory and written by a thread, and the blocks are released once the copy is done; on
+CPU all of it happens in the step.
 
 Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": bool}, set by the worker).
 Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
-unwritten, shift by one token or swap the states of named samples, or hand them over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
+unwritten, shift by one token, swap, or put a NaN or an infinity into the states of named samples, or hand them
+over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
 of a sample alone are never altered: the faults stand for batching bugs, which a batch of one does not have.
 `"no_space": [id, ...]` makes the first write of each named sample's states fail as a full tmpfs would (ENOSPC).
 """
@@ -35,13 +40,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import save_file
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
+
+from dflash_queue.engines.passes import token_stats
+from dflash_queue.engines.vllm_states_file import save_states
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,8 +67,6 @@ FAULTS_KEY = "faults"
 # Keys of a request's kv_transfer_params (SamplingParams.extra_args["kv_transfer_params"]).
 SAMPLE_PARAM = "sample"
 CANARY_PARAM = "canary"
-STATES_TENSOR = "hidden_states"
-TOKENS_TENSOR = "token_ids"
 # Suffixes of the file left beside a states file that could not be written: an I/O failure (retried), or another.
 IO_ERROR_SUFFIX = ".ioerror"
 ERROR_SUFFIX = ".error"
@@ -271,29 +276,37 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def _send(self, transfer: StatesTransfer) -> None:
         try:
             states = self._apply_faults(transfer, self._gather(transfer))
+            # Where the states are, before any copy: the worker checks the sequence from these.
+            stats = None if states is None else token_stats(states)
         except Exception as exc:  # the worker must learn why its states never came
             _write_error(transfer.path, f"gathering the states failed: {type(exc).__name__}: {exc}")
             self._copies[transfer.request_id] = None
             return
-        if states is None:  # held back by a swap fault until its partner finishes
+        if states is None or stats is None:  # held back by a swap fault until its partner finishes
             return
         tokens = torch.tensor(transfer.token_ids, dtype=torch.int64)
         if self._cache is not None and self._cache.is_cuda:
-            self._copy_and_write_async(transfer, states, tokens)
+            self._copy_and_write_async(transfer, states, stats, tokens)
         else:
-            _write_states(transfer.path, states.clone(), tokens, fail_with=self._write_fault(transfer))
+            # The gathered rows are a tensor of their own already (an indexed copy of the cache): written as they are.
+            _write_states(transfer.path, states, tokens, stats, fail_with=self._write_fault(transfer))
             self._copies[transfer.request_id] = None
 
-    def _copy_and_write_async(self, transfer: StatesTransfer, states: torch.Tensor, tokens: torch.Tensor) -> None:
+    def _copy_and_write_async(
+        self, transfer: StatesTransfer, states: torch.Tensor, stats: torch.Tensor, tokens: torch.Tensor
+    ) -> None:
         if self._stream is None:
             self._stream = torch.cuda.Stream()
         computed = torch.cuda.Event()
-        computed.record()  # the forward passes that wrote the cache, on the current stream
+        computed.record()  # the forward passes that wrote the cache and the statistics, on the current stream
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(computed)
             host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
             host.copy_(states, non_blocking=True)
+            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
+            host_stats.copy_(stats, non_blocking=True)
             states.record_stream(self._stream)
+            stats.record_stream(self._stream)
             copied = torch.cuda.Event()
             copied.record(self._stream)
         self._copies[transfer.request_id] = copied
@@ -302,7 +315,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
         def write() -> None:
             copied.synchronize()
-            _write_states(transfer.path, host, tokens, fail_with=fault)
+            _write_states(transfer.path, host, tokens, host_stats, fail_with=fault)
 
         self._pool.submit(write)
 
@@ -314,6 +327,11 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             return torch.zeros_like(states)
         if sample in self._faults.get("constant", ()):
             return torch.full_like(states, 0.5)
+        nonfinite = self._faults.get("nonfinite", {})
+        if sample in nonfinite:  # one value of the middle token, first aux layer, made NaN or infinite
+            states = states.clone()
+            states[len(states) // 2, 0, 0] = float(nonfinite[sample])
+            return states
         if sample in self._faults.get("drop_tail", ()):  # the last half of the rows never written
             states = states.clone()
             states[len(states) // 2 :] = 0
@@ -332,7 +350,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                     return None
                 other, other_states = self._held.pop(partner)
                 tokens = torch.tensor(other.token_ids, dtype=torch.int64)
-                _write_states(other.path, states.clone(), tokens)
+                _write_states(other.path, states.clone(), tokens, token_stats(states))
                 return other_states
         return states
 
@@ -359,7 +377,9 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 _files_written = 0
 
 
-def _write_states(path: str, states: torch.Tensor, tokens: torch.Tensor, *, fail_with: int = 0) -> None:
+def _write_states(
+    path: str, states: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, *, fail_with: int = 0
+) -> None:
     """The file appears whole or not at all; a failure leaves `<path>.ioerror` (the file system refused it: full,
     failing) or `<path>.error` (anything else) with the reason. `fail_with`: an errno to fail with (test fault)."""
     global _files_written
@@ -367,7 +387,7 @@ def _write_states(path: str, states: torch.Tensor, tokens: torch.Tensor, *, fail
     try:
         if fail_with:
             raise OSError(fail_with, os.strerror(fail_with), partial)
-        save_file({STATES_TENSOR: states.contiguous(), TOKENS_TENSOR: tokens}, partial)
+        save_states(partial, states, tokens, stats)
         os.replace(partial, path)
         _files_written += 1
     except Exception as exc:

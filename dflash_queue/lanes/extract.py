@@ -22,6 +22,7 @@ for good: its dead letter names the sample, the layer and the error, and nothing
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -190,12 +191,13 @@ class ExtractLane:
             with TrainingShardWriter(staged.path, rows, info, dropped=dropped) as writer:  # type: ignore[arg-type]
 
                 def deliver(index: int, captured: CapturedStates) -> None:
-                    writer.write(index, captured.states)
+                    writer.write(index, captured.states, captured.summary)
                     summaries[index] = captured.summary
                     picker.offer(index, captured.states, captured.pass_position)
 
                 with self._compute_slot(shard_id):
-                    isolated = run_isolating_streamed(requests, self._capture, [r.sample_id for r in requests], deliver)
+                    capture = functools.partial(self._capture, shard_id=shard_id)
+                    isolated = run_isolating_streamed(requests, capture, [r.sample_id for r in requests], deliver)
                     poisoned_ids = {requests[i].sample_id for i, _ in isolated.poisoned}
                     ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # whole or dead
                     canary = run_canary(
@@ -273,9 +275,11 @@ class ExtractLane:
     def layer_names(self) -> list[str]:
         return [f"{layer} ({kind})" for layer, kind in self.extractor.captured]
 
-    def _capture(self, requests: list[ExtractionRequest], deliver: Callable[[int, CapturedStates], None]) -> None:
+    def _capture(
+        self, requests: list[ExtractionRequest], deliver: Callable[[int, CapturedStates], None], *, shard_id: str = ""
+    ) -> None:
         faults.check_poison("extract", (r.sample_id for r in requests))
-        self.extractor.capture(requests, faults=faults.extract_faults() or None, deliver=deliver)
+        self.extractor.capture(requests, faults=faults.extract_faults(shard_id) or None, deliver=deliver)
 
     def _canary_tolerance(self) -> CanaryTolerance:
         configured = self.config.extract.canary_tolerance

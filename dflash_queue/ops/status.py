@@ -4,7 +4,9 @@ Everything comes from Redis (the ledger's counters and shard states, the broker'
 messages) plus one control broadcast to the workers, so it works from any machine that reaches the broker and
 survives worker restarts. Dead letters are counted per lane from their records (dflash_queue.deadletters).
 A shard counts as extracted only when its training file is listed in the configured storage: one the ledger
-shows done without it is reported missing (`shards_missing`), never done.
+shows done without it is reported missing (`shards_missing`), never done. Workers that stopped themselves because
+their engine kept failing its state checks are listed with the reason (`stopped_workers`,
+dflash_queue/stopped_workers.py) until a worker of the same name starts again.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dflash_queue.liveness import Liveness
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.redaction import redact
 from dflash_queue.shards.keys import stored_shard_ids
+from dflash_queue.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.storage import open_storage
 
 # The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.
@@ -89,6 +92,8 @@ class RunStatus:
     storage_error: str | None = None
     # A run trained while it extracts: epoch, window, consumers (None when none of it applies).
     live: LiveStatus | None = None
+    # Workers that stopped because their engine failed its state checks on shard after shard, oldest first.
+    stopped_workers: list[StoppedWorker] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -175,6 +180,7 @@ def collect_status(
         depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
         live = collect_live(client, config, now=now)
         held = Liveness(client, config.run.name, config.broker.worker_liveness_s).held_by_dead()
+        stopped = StoppedWorkers(client, config.run.name).all()
     finally:
         client.close()
     stored, storage_error = stored_shards(config)
@@ -252,6 +258,7 @@ def collect_status(
         shards_missing=missing,
         storage_error=storage_error,
         live=live,
+        stopped_workers=stopped,
     )
 
 

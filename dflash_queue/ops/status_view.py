@@ -52,6 +52,15 @@ def status_table(status: RunStatus) -> Group:
         notes.append(Text(f"storage {status.storage} not checked ({status.storage_error}): done as the ledger says"))
     if status.live is not None:
         notes.extend(_live_lines(status.live))
+    for stopped in status.stopped_workers:
+        ago = humanize.duration(max(0.0, status.time - stopped.time))
+        notes.append(
+            Text(
+                f"worker {stopped.node} ({stopped.lane}) stopped {ago} ago, exit status {stopped.exit_status}, not "
+                f"restarted: {stopped.reason}",
+                style="red",
+            )
+        )
     if status.finished:
         footer = Text("run finished: every shard has passed every lane", style="green")
     elif not any(lane.shards_total for lane in status.lanes.values()):

@@ -21,6 +21,7 @@ from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV,
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
 from dflash_queue.ops.gpus import instance_name
+from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS
 
 FLOWER_UNIT = "dflash-flower.service"
 TARGET_UNIT = "dflash.target"
@@ -162,6 +163,7 @@ def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) 
         "CONFIG": str(settings.config_path.resolve()),
         "TIMEOUT_STOP_S": str(config.broker.task_timeout_s + STOP_MARGIN_S),
         "RESTART_S": str(RESTART_S),
+        "FAILING_CHECKS_EXIT_STATUS": str(EXIT_FAILING_CHECKS),
         "RESTART_BACKOFF": backoff,
         "START_LIMIT_BURST": str(START_LIMIT_BURST),
         "START_LIMIT_INTERVAL_S": str(START_LIMIT_INTERVAL_S),

@@ -1,7 +1,9 @@
 """What a worker process holds for its whole life: config, ledger, and the resident lane (engine loaded once).
 
 The worker attaches it to the Celery app (`LaneApp.worker_runtime`) before consuming; tasks reach it through
-their base class, `LaneTask.runtime`.
+their base class, `LaneTask.runtime`. It also decides when the worker must stop: its engine died
+(`EXIT_ENGINE_LOST`, restarted by systemd), or its engine failed the state checks on too many shards in a row
+(`stopped_workers.EXIT_FAILING_CHECKS`, not restarted; see queue/check_streak.py).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 from dflash_queue.config import Config
@@ -17,7 +19,11 @@ from dflash_queue.consumption import Consumption
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import ResidentLane
 from dflash_queue.ledger import Ledger
+from dflash_queue.queue.check_streak import FailedCheckStreak
+from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
 from dflash_queue.storage import Storage
+
+EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the worker
 
 
 @dataclass
@@ -30,8 +36,16 @@ class WorkerRuntime:
     dead_letters: DeadLetters
     # The worker's storage, shared by its lanes; closed after them.
     storage: Storage | None = None
-    # Set when the worker must stop because it cannot serve more tasks (its engine died).
+    # Set when the worker must stop because it cannot serve more tasks (its engine died, or fails its checks),
+    # with the status it exits with.
     stop_reason: str | None = None
+    exit_code: int = 0
+    # The worker's node name (Celery's hostname), under which a stop is recorded.
+    node: str = ""
+    check_streak: FailedCheckStreak = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.check_streak = FailedCheckStreak(self.config.extract.stop_after_failed_checks)
 
     @cached_property
     def consumption(self) -> Consumption:
@@ -44,12 +58,29 @@ class WorkerRuntime:
         except KeyError:
             raise RuntimeError(f"this worker does not serve the {name!r} lane (serves {sorted(self.lanes)})") from None
 
-    def request_stop(self, reason: str) -> None:
-        """Warm-stop this worker process (as SIGTERM does) and make it exit with a failure code."""
+    @cached_property
+    def stopped_workers(self) -> StoppedWorkers:
+        return StoppedWorkers(self.ledger.client, self.config.run.name)
+
+    def request_stop(self, reason: str, exit_code: int = EXIT_ENGINE_LOST) -> None:
+        """Warm-stop this worker process (as SIGTERM does) and make it exit with `exit_code`."""
         if self.stop_reason is None:
             self.stop_reason = reason
+            self.exit_code = exit_code
             logging.getLogger(__name__).critical("stopping this worker: %s", reason)
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop_for_failed_checks(self, lane: str) -> None:
+        """The lane's engine failed its checks on too many shards in a row: record why in the broker (for `status`)
+        and stop, with a status the process manager does not restart on."""
+        engine = _engine_name(self.lanes.get(lane), lane)
+        reason = self.check_streak.describe(engine, lane)
+        stopped = StoppedWorker(self.node, lane, engine, reason, self.check_streak.failures)
+        try:
+            self.stopped_workers.record(stopped)
+        except Exception:  # the stop must happen even when the broker is unreachable
+            logging.getLogger(__name__).exception("could not record why this worker stops")
+        self.request_stop(reason, EXIT_FAILING_CHECKS)
 
     def begin_shutdown(self) -> None:
         """Warm shutdown began: lanes stop taking up new work (running work finishes)."""
@@ -66,3 +97,8 @@ class WorkerRuntime:
         if close_storage is not None:
             close_storage()
 
+
+def _engine_name(lane: ResidentLane | None, fallback: str) -> str:
+    """"transformers" or "vllm": the name of the engine a lane holds (its extractor's or its generate engine's)."""
+    engine = getattr(lane, "extractor", None) or getattr(lane, "engine", None)
+    return str(getattr(engine, "name", "") or fallback)

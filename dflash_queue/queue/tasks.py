@@ -35,6 +35,7 @@ from dflash_queue.errors import (
 from dflash_queue.lanes.registry import FINAL_LANE, LANES, LaneSpec, LaneSummary, lane_of_task
 from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
+from dflash_queue.queue.check_streak import STATE_CHECK_FAILURES
 from dflash_queue.queue.runtime import WorkerRuntime
 from dflash_queue.states import FAILED
 
@@ -60,7 +61,9 @@ class LaneTask(Task):
     retries exhausted) is dead-lettered by `on_failure`; Celery then acks its message.
 
     A dead engine is not the shard's fault: the message goes back to the queue for a healthy worker, and this
-    worker stops instead of failing every task it would take next.
+    worker stops instead of failing every task it would take next. Nor is an engine that fails its state checks on
+    `extract.stop_after_failed_checks` shards in a row: the shard that completes the streak goes back to the
+    queue as well, and the worker stops for good (queue/check_streak.py).
     """
 
     @property
@@ -81,6 +84,14 @@ class LaneTask(Task):
         except EngineUnavailable as exc:
             self._not_counted(rt)
             rt.request_stop(f"{type(exc).__name__}: {exc}")
+            raise Reject(str(exc), requeue=True) from exc
+        except STATE_CHECK_FAILURES as exc:
+            if not rt.check_streak.failed(shard_of(args, kwargs), exc):
+                raise  # a dead letter (on_failure)
+            self._not_counted(rt)
+            spec = lane_of_task(self.name)
+            rt.stop_for_failed_checks(spec.name if spec else self.name)
+            log.error("shard %s handed back: %s: %s", shard_of(args, kwargs), type(exc).__name__, exc)
             raise Reject(str(exc), requeue=True) from exc
         except WorkerShuttingDown as exc:
             self._not_counted(rt)
@@ -214,6 +225,7 @@ def run_lane_task(
         summary = rt.lane(spec.name).run(shard_id, redo=redo, epoch=epoch)
     _dead_letter_poisoned(task, (shard_id, num_samples, fingerprint), _lane_kwargs(redo, epoch), summary.poisoned)
     if not summary.skipped:
+        rt.check_streak.passed()
         counts = {**summary.counters(), spec.busy_counter: timing.busy_ms}
         _count_once(rt, task, spec.name, shard_id, redo, epoch, counts)
     for name, value in summary.maxima().items():

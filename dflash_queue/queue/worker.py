@@ -18,7 +18,11 @@ Shutdown: SIGTERM is Celery's warm shutdown. The worker stops consuming, tasks i
 messages are acked only then); messages it held but had not started go back to the queue. Then
 `worker_shutdown` releases the engines: vLLM's processes are told to exit and are killed if they outlive
 `generate.vllm.shutdown_timeout_s`, so none outlives the worker. A worker whose engine died stops the same
-way, hands its tasks back to the queue and exits with a failure code (see `LaneTask`).
+way, hands its tasks back to the queue and exits with a failure code (EXIT_ENGINE_LOST, 70: restarted; see
+`LaneTask`). So does a worker whose engine failed its state checks on `extract.stop_after_failed_checks` shards in
+a row, with EXIT_FAILING_CHECKS (78), which the shipped systemd units do not restart on: the shards wait in the
+queue for a healthy worker, and the run's `status` shows the stop and its reason (queue/check_streak.py). A
+worker clears its node's stop record when it starts.
 
 Storage is checked before the engine is loaded (write, read back, list, delete a probe object): a missing
 bucket or denied access stops the worker at once with the reason. The extract worker runs 1 + max_pending task
@@ -42,7 +46,8 @@ from dflash_queue.lanes.registry import lane
 from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import LaneApp, configure_app
 from dflash_queue.queue.heartbeat import Heartbeat
-from dflash_queue.queue.runtime import WorkerRuntime
+from dflash_queue.queue.runtime import EXIT_ENGINE_LOST, WorkerRuntime
+from dflash_queue.stopped_workers import StoppedWorkers
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.checks import require_storage
 
@@ -50,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 WORKER_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
-EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the worker
+__all__ = ["EXIT_ENGINE_LOST", "open_checked_storage", "run_worker"]
 
 
 def open_checked_storage(config: Config) -> Storage:
@@ -89,16 +94,21 @@ def run_worker(
     for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(broker_url)]:
         log.warning("%s", warning)
     storage = open_checked_storage(config)
+    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
+    ledger = Ledger.from_url(broker_url, config.run.name)
+    before = StoppedWorkers(ledger.client, config.run.name).clear(node)
+    if before is not None:
+        log.warning("a worker named %s stopped before: %s", node, before.reason)
     log.info("loading the %s engine for %s", spec.name, config.model.display_name)
     rt = WorkerRuntime(
         config=config,
         fingerprint=config.fingerprint(),
-        ledger=Ledger.from_url(broker_url, config.run.name),
+        ledger=ledger,
         lanes={spec.name: spec.build(config, storage)},
         dead_letters=DeadLetters.from_url(broker_url, config.run.name),
         storage=storage,
+        node=node,
     )
-    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
     _attach(app, rt, Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s))
     code = app.start(
         [
@@ -115,7 +125,7 @@ def run_worker(
     )
     if rt.stop_reason is not None:
         log.error("worker stopped: %s", rt.stop_reason)
-        return EXIT_ENGINE_LOST
+        return rt.exit_code
     return code or 0
 
 

@@ -34,7 +34,7 @@ from dflash_queue.shards.verdicts import Verdict
 __all__ = [
     "DECODER_OUTPUT", "FINAL_NORM", "FORMAT", "FORMAT_VERSION", "HF_HIDDEN_STATES_INDEX", "LAST_LAYER",
     "LAYER_CONVENTION", "LAYER_STATES", "ExtractedSample", "ShardInfo", "TrainingSample", "TrainingShard",
-    "check_states", "validate_sample",
+    "check_shape", "check_states", "check_summary", "validate_sample",
 ]
 
 
@@ -100,15 +100,36 @@ def validate_sample(sample: ExtractedSample, info: ShardInfo) -> None:
     check_states(sample.id, tokens, sample.hidden_states, info)
 
 
-def check_states(sample_id: str, tokens: int, hidden_states: torch.Tensor, info: ShardInfo) -> None:
-    """One sequence's states have the shard's shape [tokens, K, H] and are finite (NonFiniteRowRefused: the
-    engine's own check, which makes the samples at fault dead letters, was skipped)."""
+def check_shape(sample_id: str, tokens: int, hidden_states: torch.Tensor, info: ShardInfo) -> None:
+    """One sequence's states have the shard's shape [tokens, K, H]."""
     expected = (tokens, len(info.layer_ids), info.hidden_size)
     if tuple(hidden_states.shape) != expected:
         raise ShardFormatError(
             f"sample {sample_id}: hidden_states shape {tuple(hidden_states.shape)}, expected {expected}"
         )
+
+
+def check_states(sample_id: str, tokens: int, hidden_states: torch.Tensor, info: ShardInfo) -> None:
+    """One sequence's states have the shard's shape and are finite, read value by value: for states that come
+    without an engine's statistics (NonFiniteRowRefused: the engine's own check, which makes the samples at fault
+    dead letters, was skipped)."""
+    check_shape(sample_id, tokens, hidden_states, info)
     if not torch.isfinite(hidden_states).all():
+        raise NonFiniteRowRefused(sample_id)
+
+
+def check_summary(sample_id: str, summary: torch.Tensor | None, info: ShardInfo) -> None:
+    """The statistics an engine checked one sequence's states with came with them: per captured layer [K, 3] the
+    largest value, the smallest and the median token RMS (engines/passes.py). A NaN or infinite state makes the
+    largest or smallest value of its layer non-finite, so finite ones prove finite states without reading them."""
+    expected = (len(info.layer_ids), 3)
+    if not isinstance(summary, torch.Tensor) or tuple(summary.shape) != expected or not summary.is_floating_point():
+        shape = tuple(summary.shape) if isinstance(summary, torch.Tensor) else None
+        raise ShardFormatError(
+            f"sample {sample_id}: hidden states handed to the shard writer without the engine's statistics "
+            f"(a {expected} float summary; got {shape})"
+        )
+    if not torch.isfinite(summary[:, :2]).all():
         raise NonFiniteRowRefused(sample_id)
 
 

@@ -3,7 +3,9 @@
 Every tensor's size is known before extraction starts (token counts per sequence), so the file is laid out at
 once: a reserved header region, then the tensors in safetensors' own order. Token ids, loss masks and offsets
 are written at the start; each sequence's states go straight to their rows when they arrive (`write`), in any
-order; `finish` writes the JSON header into the reserved region, padded with spaces as the format allows.
+order, in one write from their memory; `finish` writes the JSON header into the reserved region, padded with
+spaces as the format allows. The states come with the statistics their engine checked them with (finite values
+among them, see `training.check_summary`): the writer trusts them and does not read the states a second time.
 
 Two cases need a second, streamed pass over the file (`_compacted`): sequences left out after all (a sample
 isolated as the cause of an engine failure), and a header that outgrew its reservation (metadata known only
@@ -23,7 +25,7 @@ import torch
 
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.fp8 import FP8_DTYPE, FP8_NAME, SCALES_TENSOR, quantize_fp8
-from dflash_queue.shards.training import ExtractedSample, ShardInfo, check_states, validate_sample
+from dflash_queue.shards.training import ExtractedSample, ShardInfo, check_shape, check_summary, validate_sample
 from dflash_queue.shards.verdicts import Verdict, quality_entry
 
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, FP8_NAME: FP8_DTYPE}
@@ -171,12 +173,19 @@ class TrainingShardWriter:
     def data_start(self) -> int:
         return 8 + self.header_bytes
 
-    def write(self, index: int, hidden_states: torch.Tensor) -> None:
-        """Check one row's states (shape, finite) and store them, converted to the shard's dtype."""
+    def write(self, index: int, hidden_states: torch.Tensor, summary: torch.Tensor | None) -> None:
+        """Store one row's states, converted to the shard's dtype. `summary` is what the engine checked them with
+        ([K, 3]: largest, smallest value, median token RMS per layer; see `check_summary`): the states are
+        trusted as checked and not read again before they are written (their shape is checked)."""
+        row = self.rows[index]
+        check_shape(row.id, row.num_tokens, hidden_states, self.info)
+        check_summary(row.id, summary, self.info)
+        self._store(index, hidden_states)
+
+    def _store(self, index: int, hidden_states: torch.Tensor) -> None:
         row = self.rows[index]
         if index in self._written:
             raise ShardFormatError(f"sample {row.id}: row {index} written twice")
-        check_states(row.id, row.num_tokens, hidden_states, self.info)
         start = self._starts[index]
         if self.info.dtype == FP8_NAME:
             # Quantised row by row: a float32 copy of one sequence, never of the shard.
@@ -184,6 +193,8 @@ class TrainingShardWriter:
             self._put(self._fd, self.data_start, self.tensors[SCALES_TENSOR], start, scales)
             self._put(self._fd, self.data_start, self.tensors["hidden_states"], start, quantized)
         else:
+            # The states' bytes go from their memory to the file in one write (no copy when they are already
+            # in the shard's dtype and contiguous).
             converted = hidden_states.to(STORAGE_DTYPES[self.info.dtype])
             self._put(self._fd, self.data_start, self.tensors["hidden_states"], start, converted)
         self._written.add(index)
@@ -299,8 +310,8 @@ def write_training_shard(
     dead: Sequence[str] = (),
     canary: dict[str, Any] | None = None,
 ) -> int:
-    """Write a shard of samples already in memory (every sample is checked before the file is created);
-    returns its size in bytes."""
+    """Write a shard of samples already in memory (every sample is checked, its states value by value, before the
+    file is created); returns its size in bytes."""
     for sample in samples:
         validate_sample(sample, info)
     rows = [
@@ -308,7 +319,7 @@ def write_training_shard(
     ]
     with TrainingShardWriter(path, rows, info, dropped=dropped) as writer:
         for index, sample in enumerate(samples):
-            writer.write(index, sample.hidden_states)
+            writer._store(index, sample.hidden_states)
         return writer.finish(dead=dead, canary=canary)
 
 

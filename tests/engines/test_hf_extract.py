@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
 
-from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor
+from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor, finish_pass, hand_over
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget
 
@@ -129,6 +129,31 @@ def test_non_finite_hidden_states_name_the_sample_and_spare_its_pack_mates(tiny_
     assert caught.value.sample_ids == ("bad",)
     assert log.widths == [40]  # all four shared one pack
     assert all(torch.isfinite(s).all() for s in extractor.extract(clean))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_pass_is_checked_from_its_statistics_in_bfloat16(value):
+    """A finished pass in bfloat16 with one NaN or infinite value in its middle sequence: that sequence is named,
+    the others are handed over as views of the pass's buffer (no copy) with the per-layer summary of their own
+    values (largest, smallest, median token RMS)."""
+    buffer = (torch.randn(30, 3, 64, generator=torch.Generator().manual_seed(3)) * 4).to(torch.bfloat16)
+    buffer[12, 1, 33] = value
+    spans = [(0, 10), (10, 18), (18, 30)]
+    requests = [ExtractionRequest(name, [1] * (end - start)) for name, (start, end) in zip("abc", spans)]
+    delivered = {}
+    nonfinite: list[str] = []
+    hand_over(finish_pass([0, 1, 2], spans, buffer, None), requests, delivered.__setitem__, nonfinite)
+    assert nonfinite == ["b"] and sorted(delivered) == [0, 2]
+    for index, (start, end) in [(0, spans[0]), (2, spans[2])]:
+        captured = delivered[index]
+        assert captured.states.data_ptr() == buffer[start].data_ptr() and captured.states.shape == (end - start, 3, 64)
+        assert captured.pass_position == (0 if index == 0 else 2)
+        values = buffer[start:end].double()
+        rms = values.square().mean(-1).sqrt()  # [T, K]
+        assert captured.summary[:, 0].tolist() == values.amax(dim=(0, 2)).tolist()
+        assert captured.summary[:, 1].tolist() == values.amin(dim=(0, 2)).tolist()
+        lower_median = rms.sort(dim=0).values[(end - start - 1) // 2]
+        torch.testing.assert_close(captured.summary[:, 2].double(), lower_median, rtol=2e-6, atol=0)
 
 
 def test_activation_estimate_is_linear_in_tokens_and_covers_the_capture_buffers(extractor):

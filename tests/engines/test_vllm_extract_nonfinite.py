@@ -1,6 +1,8 @@
-"""The vLLM extract engine's check for non-finite states, through the extract lane on vLLM's CPU build: the
-sample whose states hold a NaN is a dead letter of its own, found without running any batch again, and the rest
-of its shard is stored. The NaN is put in the states the engine reads back from its KV connector."""
+"""The vLLM extract engine's check for non-finite states, through the extract lane on vLLM's CPU build: each
+sample whose states hold a NaN or an infinity is a dead letter of its own, found without running any batch again,
+and the rest of its shard is stored. The NaN and the infinity are put in the states by the KV connector (fault
+injection) before it computes their statistics, as a GPU that produced them would hand them over: the worker
+finds them in the statistics alone."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ from dflash_queue.storage import open_storage
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-LENGTHS = {"ok-1": 40, "bad": 70, "ok-2": 90, "ok-3": 25}
-
+# Two shards, each with one sample the connector makes non-finite.
+SHARDS = {
+    "nan": {"ok-1": 40, "bad-nan": 70, "ok-2": 90, "ok-3": 25},
+    "inf": {"ok-4": 55, "ok-5": 30, "bad-inf": 64, "ok-6": 45},
+}
+NONFINITE = {"bad-nan": "nan", "bad-inf": "-inf"}
 
 @pytest.fixture
 def config(tiny_family, tmp_path):
@@ -49,35 +55,37 @@ def config(tiny_family, tmp_path):
     )
 
 
-def test_states_the_engine_finds_non_finite_cost_their_sample_alone(config, monkeypatch):
+def test_states_the_engine_finds_non_finite_cost_their_sample_alone(config, monkeypatch, inject_faults):
     rng = random.Random(0)
-    records = []
-    for sample_id, length in LENGTHS.items():
-        ids = [rng.randrange(1000) for _ in range(length)]
-        records.append(CompletionRecord(sample_id, ids[: length // 2], ids[length // 2 :], "stop", thinking=False, text=""))
     storage = open_storage(config.storage)
-    storage.write_bytes(completions_key("nan"), encode_completions(records))
+    for shard_id, lengths in SHARDS.items():
+        records = []
+        for sample_id, length in lengths.items():
+            ids = [rng.randrange(1000) for _ in range(length)]
+            records.append(CompletionRecord(sample_id, ids[: length // 2], ids[length // 2 :], "stop", thinking=False,
+                                            text=""))
+        storage.write_bytes(completions_key(shard_id), encode_completions(records))
 
+    inject_faults({"extract_vllm_states": {"nonfinite": NONFINITE}})
     engine = VllmStateExtractor(config)
     received: list[str] = []
     receive = engine._receive
 
-    def spoiled(request, path):
-        states = receive(request, path)
+    def counted(request, path):
         received.append(request.sample_id)
-        if request.sample_id == "bad":
-            states = states.clone()
-            states[3, 0, 0] = float("nan")
-        return states
+        return receive(request, path)
 
-    monkeypatch.setattr(engine, "_receive", spoiled)
+    monkeypatch.setattr(engine, "_receive", counted)
     lane = ExtractLane(config, engine, storage)
     try:
-        summary = lane.run("nan")
+        summaries = {shard_id: lane.run(shard_id) for shard_id in SHARDS}
     finally:
         lane.close()
-    assert [(sample, type(exc)) for sample, exc in summary.poisoned] == [("bad", NonFiniteHiddenStates)]
-    assert received.count("bad") == 1  # named by the error: never run again, alone or in a half
-    assert summary.num_samples == 3
-    with storage.local_copy(shard_key("nan")) as path:
-        assert sorted(TrainingShard(path).sample_ids) == ["ok-1", "ok-2", "ok-3"]
+    for shard_id, lengths in SHARDS.items():
+        summary = summaries[shard_id]
+        bad = f"bad-{shard_id}"
+        assert [(sample, type(exc)) for sample, exc in summary.poisoned] == [(bad, NonFiniteHiddenStates)]
+        assert received.count(bad) == 1  # named by the error: never run again, alone or in a half
+        assert summary.num_samples == 3
+        with storage.local_copy(shard_key(shard_id)) as path:
+            assert sorted(TrainingShard(path).sample_ids) == sorted(s for s in lengths if s != bad)

@@ -116,6 +116,32 @@ def test_a_layer_that_outputs_zeros_fails_the_task(generated):
     assert not storage.exists(shard_key(shard_id))
 
 
+def test_a_sample_whose_states_are_far_off_the_others_fails_the_task_in_bfloat16(generated, monkeypatch):
+    """One sample's states at one layer scaled after the forward pass, before the engine reduces their statistics
+    (where a capture of the wrong tensor would put them): its median token RMS is far off the shard's, which the
+    statistics computed once, on the engine's side, show; the canary cannot (it compares the pass with the sample
+    alone, both through the same code)."""
+    from dflash_queue.engines import hf_extract
+
+    config, storage, shard_id = generated(dtype="bfloat16", hidden_dtype="bfloat16", canary_samples=0)
+    lane = ExtractLane(config, build_extractor(config), storage)
+    finish_pass = hf_extract.finish_pass
+
+    def scaled(group, spans, buffer, *args, **kwargs):
+        if 3 in group:  # the shard's fourth sample
+            start, end = spans[group.index(3)]
+            buffer[start:end, 1] *= 1000
+        return finish_pass(group, spans, buffer, *args, **kwargs)
+
+    monkeypatch.setattr(hf_extract, "finish_pass", scaled)
+    with pytest.raises(ImplausibleHiddenStates, match=r"^1 implausible hidden states: sample \S+, layer 2 "
+                                                      r"\(decoder_output\): median token RMS \S+ is \S+ x the shard's "
+                                                      r"median"):
+        lane.run(shard_id)
+    lane.close()
+    assert not storage.exists(shard_key(shard_id))
+
+
 def test_a_faint_leak_into_the_first_tokens_of_every_follower_fails_the_task_in_bfloat16(generated, inject_faults):
     """A state carried across a pack boundary, 1e-3 of the previous sequence's last state in each follower's first
     8 tokens, in the production dtype: the canary names it by its first tokens (8.3e-4 there against 2.7e-4 over

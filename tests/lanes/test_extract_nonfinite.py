@@ -1,9 +1,10 @@
 """Non-finite hidden states in the extract lane, from each place that finds them.
 
 The engine finding them in a sample's states (NonFiniteHiddenStates, sample-dependent): that sample alone is a
-dead letter and the rest of the shard is stored. The shard writer handed them (NonFiniteRowRefused: the engine's
-own check was skipped): the task fails for good, with no batch run again and nothing stored. Real lanes on the
-tiny model; the NaN is put in the model's weights, or in the states an engine hands over.
+dead letter and the rest of the shard is stored. The shard writer handed them with statistics that show them
+(NonFiniteRowRefused: the engine's own check was skipped), or handed states without statistics at all (the writer
+does not read the states to check them): the task fails for good, with no batch run again and nothing stored. Real
+lanes on the tiny model; the NaN is put in the model's weights, or in the states an engine hands over.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.base import CapturedStates
-from dflash_queue.errors import NonFiniteHiddenStates, NonFiniteRowRefused
+from dflash_queue.engines.passes import summarize, token_stats
+from dflash_queue.errors import NonFiniteHiddenStates, NonFiniteRowRefused, ShardFormatError
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
@@ -53,11 +55,12 @@ def generated(make_config):
 
 class CountingEngine:
     """The real engine, counting its batches; `spoil` names a sample whose states it hands over with a NaN, as an
-    engine that skipped its own check would."""
+    engine that skipped its own check would: with the statistics of those states, or (`without_statistics`) none."""
 
-    def __init__(self, inner, spoil: str | None = None) -> None:
+    def __init__(self, inner, spoil: str | None = None, *, without_statistics: bool = False) -> None:
         self.inner = inner
         self.spoil = spoil
+        self.without_statistics = without_statistics
         self.batches: list[list[str]] = []
 
     def capture(self, requests, *, deliver, **kwargs):
@@ -67,7 +70,8 @@ class CountingEngine:
             if requests[index].sample_id == self.spoil:
                 states = captured.states.clone()
                 states[0, 0, 0] = float("nan")
-                captured = CapturedStates(states, captured.summary, captured.pass_position)
+                summary = None if self.without_statistics else summarize(token_stats(states))
+                captured = CapturedStates(states, summary, captured.pass_position)  # type: ignore[arg-type]
             deliver(index, captured)
 
         return self.inner.capture(requests, deliver=hand_over, **kwargs)
@@ -95,11 +99,17 @@ def test_states_the_engine_finds_non_finite_cost_their_sample_alone(generated):
         assert shard.metadata["dead_lettered"] == f'["{bad}"]'
 
 
-def test_non_finite_states_handed_to_the_writer_fail_the_task_for_good(generated):
+@pytest.mark.parametrize("without_statistics", [False, True], ids=["with-statistics", "without-statistics"])
+def test_non_finite_states_handed_to_the_writer_fail_the_task_for_good(generated, without_statistics):
     config, storage, shard_id, bad, _ = generated
-    engine = CountingEngine(build_extractor(config), spoil=bad)
+    engine = CountingEngine(build_extractor(config), spoil=bad, without_statistics=without_statistics)
     lane = ExtractLane(config, engine, storage)
-    with pytest.raises(NonFiniteRowRefused, match=f"sample {bad}: hidden states contain NaN or Inf"):
+    refused = (
+        (ShardFormatError, f"sample {bad}: hidden states handed to the shard writer without the engine's statistics")
+        if without_statistics
+        else (NonFiniteRowRefused, f"sample {bad}: hidden states contain NaN or Inf")
+    )
+    with pytest.raises(refused[0], match=refused[1]):
         lane.run(shard_id)
     lane.close()
     assert len(engine.batches) == 1  # not bisected: no sample is to blame

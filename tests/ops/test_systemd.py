@@ -102,6 +102,19 @@ def test_verify_catches_a_missing_executable(make_config, tmp_path):
     assert "/nonexistent/bin/dflash-queue" in result.stderr
 
 
+def test_a_worker_stopped_for_failing_checks_is_not_restarted_and_one_whose_engine_died_is(make_config, tmp_path):
+    from dflash_queue.queue.worker import EXIT_ENGINE_LOST
+    from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS
+
+    config = make_config()
+    units = render_units(config, LAYOUT, settings(tmp_path, config))
+    for unit in ("dflash-generate@.service", "dflash-extract@.service"):
+        assert directive(units[unit], "Restart") == ["on-failure"]
+        assert directive(units[unit], "RestartPreventExitStatus") == [str(EXIT_FAILING_CHECKS)]
+    assert EXIT_ENGINE_LOST != EXIT_FAILING_CHECKS
+    assert "RestartPreventExitStatus" not in units["dflash-flower.service"]
+
+
 def test_backoff_keys_only_for_a_systemd_that_knows_them(make_config, tmp_path):
     config = make_config()
     old = render_units(config, LAYOUT, settings(tmp_path, config, systemd_version=252))

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash_queue.engines.passes import summarize, token_stats
 from dflash_queue.errors import NonFiniteRowRefused, ShardFormatError
 from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR, quantize_fp8
 from dflash_queue.shards.layout import header_length, parse_header
@@ -19,6 +20,11 @@ from dflash_queue.shards.verdicts import Verdict, quality_entry
 from dflash_queue.training.dataset import ShardDataset
 
 K, H = 3, 16
+
+
+def checked(states: torch.Tensor) -> torch.Tensor:
+    """The summary an engine hands over with the states it checked."""
+    return summarize(token_stats(states))
 
 
 def info(dtype: str) -> ShardInfo:
@@ -116,7 +122,7 @@ def test_streamed_shard_holds_what_save_file_of_the_whole_tensors_holds(tmp_path
     path = tmp_path / "streamed.safetensors"
     with TrainingShardWriter(path, rows, info(dtype), dropped=dropped) as writer:
         for index in [4, 0, 8, 2, 1, 3, 7, 5, 6]:  # passes finish in any order
-            writer.write(index, states[index])
+            writer.write(index, states[index], checked(states[index]))
         size = writer.finish(canary=canary)
     assert size == path.stat().st_size
     reference_shard(tmp_path / "ref.safetensors", rows, states, dtype, dropped=dropped, canary=canary)
@@ -138,7 +144,7 @@ def test_left_out_rows_are_compacted_away(tmp_path, dtype):
     path = tmp_path / "streamed.safetensors"
     with TrainingShardWriter(path, rows, info(dtype)) as writer:
         for index in (0, 1, 2, 4, 5, 6, 7):
-            writer.write(index, states[index])
+            writer.write(index, states[index], checked(states[index]))
         writer.finish(dead=["s1"], leave_out=[2, 3])
     assert list(tmp_path.iterdir()) == [path]  # the compacted copy replaced the file
     kept = [0, 1, 4, 5, 6, 7]
@@ -154,7 +160,7 @@ def test_metadata_larger_than_the_reserved_header_is_written_by_a_copy(tmp_path)
     path = tmp_path / "streamed.safetensors"
     with TrainingShardWriter(path, rows, info("bfloat16"), late_metadata_bytes=64) as writer:
         for index, hidden in enumerate(states):
-            writer.write(index, hidden)
+            writer.write(index, hidden, checked(hidden))
         writer.finish(canary=canary)
     reference_shard(tmp_path / "ref.safetensors", rows, states, "bfloat16", canary=canary)
     assert_same_shard(path, tmp_path / "ref.safetensors")
@@ -172,7 +178,7 @@ def test_a_shard_with_every_sample_dropped_or_dead_is_empty_but_well_formed(tmp_
 
     rows, states = rows_and_states(2)
     with TrainingShardWriter(tmp_path / "dead.safetensors", rows, info(dtype)) as writer:
-        writer.write(0, states[0])
+        writer.write(0, states[0], checked(states[0]))
         writer.finish(dead=["s0"], leave_out=[0, 1])
     reference_shard(tmp_path / "ref-dead.safetensors", [], [], dtype, dead=["s0"])
     assert_same_shard(tmp_path / "dead.safetensors", tmp_path / "ref-dead.safetensors")
@@ -181,15 +187,22 @@ def test_a_shard_with_every_sample_dropped_or_dead_is_empty_but_well_formed(tmp_
 def test_refusals(tmp_path):
     rows, states = rows_and_states(3)
     with TrainingShardWriter(tmp_path / "a.safetensors", rows, info("bfloat16")) as writer:
-        bad = states[1].clone()
-        bad[0, 1, 2] = float("inf")
-        with pytest.raises(NonFiniteRowRefused, match="sample s0: hidden states contain NaN or Inf"):
-            writer.write(1, bad)
+        for bad_value in (float("inf"), float("-inf"), float("nan")):
+            bad = states[1].clone()
+            bad[0, 1, 2] = bad_value
+            with pytest.raises(NonFiniteRowRefused, match="sample s0: hidden states contain NaN or Inf"):
+                writer.write(1, bad, checked(bad))
         with pytest.raises(ShardFormatError, match=r"hidden_states shape .* expected"):
-            writer.write(0, states[0][:, :2])
-        writer.write(0, states[0])
+            writer.write(0, states[0][:, :2], checked(states[0][:, :2]))
+        # States without the statistics they were checked with are refused, not read.
+        with pytest.raises(ShardFormatError, match=r"sample s0: hidden states handed to the shard writer without the "
+                           r"engine's statistics \(a \(3, 3\) float summary; got None\)"):
+            writer.write(0, states[0], None)
+        with pytest.raises(ShardFormatError, match=r"without the engine's statistics .* got \(5, 3, 3\)"):
+            writer.write(0, states[0], token_stats(states[0]))
+        writer.write(0, states[0], checked(states[0]))
         with pytest.raises(ShardFormatError, match="written twice"):
-            writer.write(0, states[0])
+            writer.write(0, states[0], checked(states[0]))
         with pytest.raises(ShardFormatError, match="no hidden states were written for 2 samples"):
             writer.finish()
     with TrainingShardWriter(tmp_path / "b.safetensors", [], info("bfloat16")) as writer:

@@ -1,0 +1,83 @@
+"""When shards failing their state checks stop a worker (queue/check_streak.py), and the stop's record in the broker
+(stopped_workers.py). The worker itself, stopping and exiting, is tested with real processes in
+tests/faults/test_worker_stops.py."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+
+from dflash_queue.engines.state_checks import CanaryMismatch, ImplausibleHiddenStates
+from dflash_queue.errors import EngineStatesInvalid
+from dflash_queue.queue.check_streak import MESSAGE_CHARS, STATE_CHECK_FAILURES, FailedCheckStreak
+from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
+
+
+def test_the_streak_trips_at_its_limit_and_a_passing_shard_starts_it_over():
+    streak = FailedCheckStreak(3)
+    assert not streak.failed("a", CanaryMismatch("canary sample x: layer 1 differs"))
+    assert not streak.failed("b", ImplausibleHiddenStates("1 implausible hidden states"))
+    streak.passed()
+    assert streak.failures == []
+    assert not streak.failed("c", CanaryMismatch("one"))
+    assert not streak.failed("d", EngineStatesInvalid("two"))
+    assert streak.failed("e", CanaryMismatch("three"))
+    assert streak.failures == [("c", "CanaryMismatch: one"), ("d", "EngineStatesInvalid: two"),
+                               ("e", "CanaryMismatch: three")]
+    # Tripped for good: later failures are handed back too, a pass no longer resets it.
+    streak.passed()
+    assert streak.failed("f", CanaryMismatch("four")) and len(streak.failures) == 3
+    reason = streak.describe("vllm", "extract")
+    assert reason.startswith("the vllm extract engine failed its state checks on 3 shards in a row "
+                             "(extract.stop_after_failed_checks = 3): shard c: CanaryMismatch: one; shard d: ")
+    assert "shard e handed back; the 2 before it are dead letters" in reason
+
+
+def test_a_limit_of_zero_never_trips_and_long_messages_are_cut():
+    streak = FailedCheckStreak(0)
+    for number in range(20):
+        assert not streak.failed(f"s{number}", CanaryMismatch("x" * 1000))
+    assert all(len(message) == MESSAGE_CHARS and message.endswith("...") for _, message in streak.failures)
+
+
+def test_only_the_state_checks_count():
+    assert set(STATE_CHECK_FAILURES) == {CanaryMismatch, ImplausibleHiddenStates, EngineStatesInvalid}
+
+
+def test_failures_from_concurrent_tasks_trip_it_once_at_the_limit():
+    streak = FailedCheckStreak(5)
+    tripped: list[bool] = []
+    lock = threading.Lock()
+
+    def fail(number: int) -> None:
+        result = streak.failed(f"s{number}", CanaryMismatch(str(number)))
+        with lock:
+            tripped.append(result)
+
+    threads = [threading.Thread(target=fail, args=(n,)) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert tripped.count(False) == 4 and len(streak.failures) == 5
+
+
+def test_stop_records_are_kept_per_node_and_cleared_when_the_node_starts_again(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    records = StoppedWorkers(client, "stops-run")
+    client.delete(records.key)
+    assert records.all() == [] and records.clear("extract-0@node") is None
+    first = StoppedWorker("extract-0@node", "extract", "transformers", "the transformers extract engine failed ...",
+                          [("s1", "CanaryMismatch: one"), ("s2", "CanaryMismatch: two")], time=100.0)
+    records.record(first)
+    records.record(StoppedWorker("extract-1@other", "extract", "vllm", "the vllm ...", time=200.0))
+    assert records.key == "dfq:stops-run:stopped_workers"
+    assert [r.node for r in records.all()] == ["extract-0@node", "extract-1@other"]
+    assert records.all()[0] == first and first.exit_status == EXIT_FAILING_CHECKS
+    assert records.clear("extract-0@node") == first
+    assert [r.node for r in records.all()] == ["extract-1@other"]
+    client.hset(records.key, "broken@node", "{not json")
+    shown = {r.node: r for r in records.all()}
+    assert shown["broken@node"].reason.startswith("unreadable stop record")
+    client.delete(records.key)
