@@ -85,6 +85,10 @@ def run_worker(
     refused = login_error(broker_url)
     if refused:
         raise BrokerLoginRefused(refused)
+    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
+    heartbeat = Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s)
+    # A worker restarted under its name (systemd) puts back what its dead predecessor held, before its engine loads.
+    heartbeat.succeed_predecessors()
     concurrency = concurrency or spec.default_slots(config)
     for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(broker_url)]:
         log.warning("%s", warning)
@@ -98,8 +102,7 @@ def run_worker(
         dead_letters=DeadLetters.from_url(broker_url, config.run.name),
         storage=storage,
     )
-    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
-    _attach(app, rt, Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s))
+    _attach(app, rt, heartbeat)
     code = app.start(
         [
             "worker",
