@@ -54,6 +54,12 @@ class ProcessIdentity:
             start_ticks=_start_ticks(os.getpid()),
         )
 
+    @classmethod
+    def of_pid(cls, pid: int) -> ProcessIdentity:
+        """A process of this host and pid namespace (a child this process started)."""
+        here = cls.of_this_process()
+        return cls(here.host, here.boot_id, here.pid_namespace, pid, _start_ticks(pid))
+
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

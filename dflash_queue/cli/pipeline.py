@@ -104,6 +104,12 @@ def worker(
             raise click.BadParameter(error, param_hint="--gpus")
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
+    from dflash_queue.run_lock import refuse_foreign_worker
+
+    try:
+        refuse_foreign_worker(config.run.state_dir, config.run.name)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         code = run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
     except DflashQueueError as exc:  # storage check failed, bad storage settings: say why and exit non-zero
