@@ -4,9 +4,11 @@ another process), and "cannot tell" from another host or pid namespace."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from dflash_queue.process_identity import ProcessIdentity
 
@@ -26,8 +28,9 @@ def test_a_process_runs_until_it_ends_and_a_zombie_has_ended():
         assert identity.running() is True
         assert ProcessIdentity.from_json(json.loads(json.dumps(identity.to_json()))) == identity
         child.kill()
-        # Not yet reaped: a zombie, whose pid still exists.
-        assert identity.running() is False
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # it has ended, and is not reaped yet
+        # A zombie: its pid still exists.
+        assert Path(f"/proc/{child.pid}").exists() and identity.running() is False
     finally:
         child.kill()
         child.wait()
