@@ -6,6 +6,7 @@ dotted key in the message instead of silently falling back to a default hours in
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -316,13 +317,28 @@ def _describe(exc: ValidationError, source: str) -> str:
         if error["type"] == NESTED_KEY_ERROR:
             pass
         elif error["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = "unknown key" + _nearest_key(loc)
         elif error["type"] == "missing":
             message = "required key is missing"
         elif "input" in error and error["type"] not in {"value_error", "assertion_error"}:
             message = f"{message} (got {error['input']!r})"
         lines.append(f"  {key}: {message}")
     return "\n".join(lines)
+
+
+def _nearest_key(loc: list[Any]) -> str:
+    """"; did you mean X?" for an unknown key `loc` (a path into the config), X the closest key its table has."""
+    model: Any = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if isinstance(model, type) and issubclass(model, Section) else None
+        if field is None:
+            return ""
+        model = field.annotation
+    if not (isinstance(model, type) and issubclass(model, Section)):
+        return ""
+    known = [name for name, field in model.model_fields.items() if not field.exclude]
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def _check_model_paths(config: Config) -> None:

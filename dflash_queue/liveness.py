@@ -1,25 +1,66 @@
 """A dead worker's messages back on their queues within a minute, not after the visibility timeout (hours).
 
 Redis has no lease: a message a worker took (running, or reserved for later) stays in kombu's `unacked` hash until
-the worker acknowledges it or `broker.visibility_timeout_s` passes. So every worker
+the worker acknowledges it or `broker.visibility_timeout_s` passes. So every worker process is an *incarnation*
+(a random id drawn when it starts), and its records are keyed by that id, never by its node name: a worker
+restarted under the same name (systemd restarts `LANE-%i@%h` 30 s after a crash) is another incarnation, so it
+can neither refresh its dead predecessor's heartbeat nor inherit its records. Every incarnation
 
-* keeps a heartbeat, `dfq:{run}:alive:{node}`, a key that expires `broker.worker_liveness_s` after its last
+* registers itself in `dfq:{run}:incarnations` (id -> node name and process identity: host, boot, pid namespace,
+  pid, start time);
+* keeps a heartbeat, `dfq:{run}:alive:{incarnation}`, a key that expires `broker.worker_liveness_s` after its last
   refresh (every third of that, from a thread of its own, so a long task does not stop it);
-* records each message it takes (Celery's `task_received`: running or reserved) in `dfq:{run}:held:{node}`,
+* records each message it takes (Celery's `task_received`: running or reserved) in `dfq:{run}:held:{incarnation}`,
   task id -> delivery tag, queue and shard, and forgets it when the task ends (`task_postrun`);
-* on each beat, puts back the messages of every node whose heartbeat expired, where they are still unacknowledged,
-  with kombu's own restore (a transaction: two workers restoring at once restore a message once), and forgets them.
+* on each beat, puts back the messages of every dead incarnation, where they are still unacknowledged, with
+  kombu's own restore (a transaction: two workers restoring at once restore a message once), and forgets it.
 
-A redelivered message counts against `broker.max_deliveries` like any other; the exactly-once accounting absorbs
-a task run twice. A worker stopped warmly hands its messages back itself and removes its records.
+An incarnation is dead when its heartbeat expired, or at once when its process is seen gone (same host, boot and
+pid namespace: the pid no longer runs, or runs another process). A worker starting under a node name whose
+records exist succeeds that incarnation: it puts back what the predecessor held before it takes anything, unless
+the predecessor is seen running (two live workers with one name is a mistake; its work is then done twice, which
+the exactly-once accounting absorbs). A redelivered message counts against `broker.max_deliveries` like any
+other. A worker stopped warmly hands its messages back itself and removes its records.
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from dflash_queue.process_identity import ProcessIdentity
+
+
+@dataclass(frozen=True)
+class Incarnation:
+    """One worker process: its id, the node name it runs under, the process."""
+
+    id: str
+    node: str
+    process: ProcessIdentity
+    started: float
+
+    @classmethod
+    def of_this_process(cls, node: str) -> Incarnation:
+        return cls(uuid.uuid4().hex, node, ProcessIdentity.of_this_process(), time.time())
+
+    def to_json(self) -> str:
+        return json.dumps({"node": self.node, "process": self.process.to_json(), "started": self.started})
+
+    @classmethod
+    def from_json(cls, incarnation_id: str, raw: str) -> Incarnation:
+        try:
+            data = json.loads(raw)
+            return cls(incarnation_id, str(data["node"]), ProcessIdentity.from_json(data.get("process") or {}),
+                       float(data.get("started", 0)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return cls(incarnation_id, incarnation_id, ProcessIdentity("", "", "", 0, ""), 0.0)
+
+    def describe(self) -> str:
+        return f"{self.node} ({self.process.describe()}, incarnation {self.id[:8]})"
 
 
 @dataclass(frozen=True)
@@ -29,9 +70,10 @@ class HeldMessage:
     tag: str
     queue: str
     shard_id: str
-    # When the node was last heard of (its last heartbeat), and how long its heartbeat outlives that.
+    # When the incarnation was last heard of (its last heartbeat), and how long its heartbeat outlives that.
     last_seen: float
     ttl_s: float
+    incarnation: str = ""
 
     def back_by(self) -> float:
         """When a live worker will have put it back, at the latest: the heartbeat expired, and one more beat."""
@@ -39,60 +81,102 @@ class HeldMessage:
 
 
 class Liveness:
-    """The heartbeats and held messages of a run's workers, in Redis."""
+    """The incarnations, heartbeats and held messages of a run's workers, in Redis."""
 
     def __init__(self, client: Any, run_name: str, ttl_s: int) -> None:
         self.client = client  # decode_responses=True
         self.prefix = f"dfq:{run_name}"
         self.ttl_s = ttl_s
 
-    def _alive(self, node: str) -> str:
-        return f"{self.prefix}:alive:{node}"
+    def _alive(self, incarnation: str) -> str:
+        return f"{self.prefix}:alive:{incarnation}"
 
-    def _held(self, node: str) -> str:
-        return f"{self.prefix}:held:{node}"
+    def _held(self, incarnation: str) -> str:
+        return f"{self.prefix}:held:{incarnation}"
+
+    def _registry(self) -> str:
+        return f"{self.prefix}:incarnations"
 
     def _seen(self) -> str:
         return f"{self.prefix}:last_seen"
 
-    def beat(self, node: str, *, now: float | None = None) -> None:
+    def register(self, incarnation: Incarnation) -> None:
+        """A worker process starting: recorded, with its first heartbeat."""
+        self.client.hset(self._registry(), incarnation.id, incarnation.to_json())
+        self.beat(incarnation.id)
+
+    def beat(self, incarnation: str, *, now: float | None = None) -> None:
         now = time.time() if now is None else now
         pipe = self.client.pipeline()
-        pipe.set(self._alive(node), repr(now), ex=self.ttl_s)
-        pipe.hset(self._seen(), node, repr(now))
+        pipe.set(self._alive(incarnation), repr(now), ex=self.ttl_s)
+        pipe.hset(self._seen(), incarnation, repr(now))
         pipe.execute()
 
-    def took(self, node: str, task_id: str, tag: str, queue: str, shard_id: str) -> None:
-        self.client.hset(self._held(node), task_id, json.dumps({"tag": tag, "queue": queue, "shard": shard_id}))
+    def took(self, incarnation: str, task_id: str, tag: str, queue: str, shard_id: str) -> None:
+        self.client.hset(
+            self._held(incarnation), task_id, json.dumps({"tag": tag, "queue": queue, "shard": shard_id})
+        )
 
-    def done(self, node: str, task_id: str) -> None:
-        self.client.hdel(self._held(node), task_id)
+    def done(self, incarnation: str, task_id: str) -> None:
+        self.client.hdel(self._held(incarnation), task_id)
 
-    def leave(self, node: str) -> None:
-        """A worker stopping warmly: its messages go back by kombu's own hand; nothing is held any more."""
-        self.client.delete(self._alive(node), self._held(node))
+    def leave(self, incarnation: str) -> None:
+        """A worker stopping warmly (its messages go back by kombu's own hand), or a dead incarnation whose messages
+        were put back: none of its records is left."""
+        pipe = self.client.pipeline()
+        pipe.delete(self._alive(incarnation), self._held(incarnation))
+        pipe.hdel(self._registry(), incarnation)
+        pipe.hdel(self._seen(), incarnation)
+        pipe.execute()
+
+    def incarnations(self) -> dict[str, Incarnation]:
+        """Every registered incarnation, live or dead, and any that holds records without being registered."""
+        found = {i: Incarnation.from_json(i, raw) for i, raw in self.client.hgetall(self._registry()).items()}
+        for key in self.client.scan_iter(match=self._held("*"), count=1000):
+            incarnation = key[len(self._held("")) :]
+            found.setdefault(incarnation, Incarnation.from_json(incarnation, "{}"))
+        return found
+
+    def heartbeat_fresh(self, incarnation: str) -> bool:
+        return bool(self.client.exists(self._alive(incarnation)))
+
+    def is_dead(self, incarnation: Incarnation) -> bool:
+        """Its heartbeat expired, or its process is seen gone."""
+        return not self.heartbeat_fresh(incarnation.id) or incarnation.process.running() is False
+
+    def any_alive(self) -> bool:
+        """Whether some worker of the run beats (and so puts back what dead ones held)."""
+        return any(not self.is_dead(i) for i in self.incarnations().values())
+
+    def dead(self) -> list[Incarnation]:
+        return [i for i in self.incarnations().values() if self.is_dead(i)]
+
+    def predecessors(self, successor: Incarnation) -> list[Incarnation]:
+        """Earlier incarnations under `successor`'s node name that are not seen running: the successor puts back
+        what they held. One whose process runs (seen from here) is left to its heartbeat."""
+        return [
+            i for i in self.incarnations().values()
+            if i.node == successor.node and i.id != successor.id and i.process.running() is not True
+        ]
 
     def held(self) -> list[HeldMessage]:
         """Every message a worker recorded taking and has not finished, whatever its heartbeat."""
-        return self._held_messages(dead_only=False)
+        return self.held_by(list(self.incarnations().values()))
 
     def held_by_dead(self) -> list[HeldMessage]:
-        """Messages recorded by nodes whose heartbeat stopped."""
-        return self._held_messages(dead_only=True)
+        """Messages recorded by incarnations that are dead."""
+        return self.held_by(self.dead())
 
-    def _held_messages(self, *, dead_only: bool) -> list[HeldMessage]:
+    def held_by(self, incarnations: list[Incarnation]) -> list[HeldMessage]:
         held = []
         seen = self.client.hgetall(self._seen())
-        for key in self.client.scan_iter(match=self._held("*"), count=1000):
-            node = key[len(self._held("")) :]
-            if dead_only and self.client.exists(self._alive(node)):
-                continue
-            for task_id, raw in self.client.hgetall(key).items():
+        for incarnation in incarnations:
+            for task_id, raw in self.client.hgetall(self._held(incarnation.id)).items():
                 fields = json.loads(raw)
                 held.append(
                     HeldMessage(
-                        node, task_id, fields["tag"], fields["queue"], fields["shard"], float(seen.get(node, 0)),
-                        self.ttl_s,
+                        incarnation.node, task_id, fields["tag"], fields["queue"], fields["shard"],
+                        float(seen.get(incarnation.id, 0)), self.ttl_s, incarnation.id,
                     )
                 )
         return held

@@ -123,7 +123,13 @@ class RedisServer:
             "--logfile", str(self.directory / "redis.log"),
         ]  # fmt: skip
         self.process = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            # Out of the terminal's process group: a Ctrl-C there reaches its owner, which stops it last, after
+            # the workers that need it to finish their tasks.
+            start_new_session=True,
         )
         assert self.process.stdin is not None
         try:

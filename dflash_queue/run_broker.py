@@ -10,9 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
 from dflash_queue.config import Config
+from dflash_queue.doctor.broker import broker_problem
 from dflash_queue.errors import ConfigError
 from dflash_queue.redis_server import RedisServer
 
@@ -42,11 +41,13 @@ def forget_url(directory: Path) -> None:
 
 
 def _answering(config: Config, url: str) -> bool:
-    url = config.with_overrides(broker={"url": url}).broker.connection_url()
-    try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
+    """Whether the run's server at `url` is up; ConfigError when it is but refuses the configured login (starting
+    another server on its data would put two servers on one AOF)."""
+    broker = config.with_overrides(broker={"url": url}).broker
+    problem = broker_problem(broker.connection_url(), password_from=broker.password_origin(), timeout_s=1.0)
+    if problem is not None and problem.refused:
+        raise ConfigError(f"{config.source}: {problem.message}")
+    return problem is None
 
 
 def _has_data(directory: Path) -> bool:

@@ -21,6 +21,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.run_broker import forget_url, private_server, record_url
+from dflash_queue.run_lock import RunLock
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 from dflash_queue.staging import EnqueueReport, checked_formatter
 
@@ -116,9 +117,18 @@ def run_single_box(
     formatter = checked_formatter(config)
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
+        # One run per state directory, held until everything below has stopped (the broker last).
+        lock = stack.enter_context(RunLock(state_dir, config.run.name))
+        if lock.stopped_leftovers:
+            console.print(
+                f"took over {state_dir} from a run that was killed ({lock.previous.describe() if lock.previous else '?'}"
+                f"); stopped what it left running: {', '.join(lock.stopped_leftovers)}"
+            )
         if not config.broker.url:
             server = private_server(config).start()
             stack.callback(server.stop)
+            assert server.process is not None
+            lock.record_child("redis-server", server.process.pid)
             # status, dead and verify find it there while the run is up (and its data after: run_broker.py)
             record_url(server.directory, server.url)
             stack.callback(forget_url, server.directory)
@@ -141,6 +151,8 @@ def run_single_box(
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
         workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in LANES]
         stack.callback(stop_workers, workers, console, config.broker.task_timeout_s)
+        for worker in workers:
+            lock.record_child(f"{worker.lane} worker", worker.pid)
         console.print(f"started workers: {', '.join(f'{w.lane} (pid {w.process.pid})' for w in workers)}")
 
         progress = Progress(

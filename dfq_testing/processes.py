@@ -41,3 +41,39 @@ def describe(processes: list[psutil.Process]) -> str:
         except psutil.NoSuchProcess:
             lines.append(f"pid {process.pid} (gone)")
     return ", ".join(lines)
+
+
+class TreeWatch:
+    """Every process seen below `pid` while it runs (polled from a thread): those that were reparented away (a
+    child in a session of its own outlives its parent) are still checked afterwards. A context manager."""
+
+    def __init__(self, pid: int, poll_s: float = 0.25) -> None:
+        import threading
+
+        self.pid = pid
+        self.poll_s = poll_s
+        self.seen: dict[tuple[int, float], psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for process in descendants(self.pid):
+                try:
+                    self.seen.setdefault((process.pid, process.create_time()), process)
+                except psutil.NoSuchProcess:
+                    pass
+            self._stop.wait(self.poll_s)
+
+    def __enter__(self) -> TreeWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def survivors(self, timeout: float) -> list[psutil.Process]:
+        """Those seen that are still alive (the same processes: a reused pid is another process) after up to
+        `timeout` seconds."""
+        return survivors(list(self.seen.values()), timeout)

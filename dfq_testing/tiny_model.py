@@ -1,6 +1,7 @@
 """Build a tiny, random-weight Qwen3 model and tokenizer entirely offline.
 
-``build_tiny_model(out_dir)`` writes a ``Qwen3ForCausalLM`` checkpoint (float32 safetensors), a byte-level
+``build_tiny_model(out_dir)`` writes a ``Qwen3ForCausalLM`` checkpoint (float32 safetensors, with the
+``model.safetensors.index.json`` that tools reading a target's weights by name look for), a byte-level
 BPE tokenizer trained on an embedded corpus, a Qwen3-style chat template and a generation config. Nothing is
 downloaded.
 
@@ -41,6 +42,7 @@ from typing import Any
 __all__ = [
     "ADDED_TOKENS",
     "CHAT_TEMPLATE",
+    "INDEX_FILE",
     "MARKER_FILE",
     "TINY_CORPUS",
     "build_tiny_model",
@@ -53,6 +55,9 @@ BUILDER_VERSION = 1
 
 #: Written last into a finished build; its presence (with matching parameters) marks the build complete.
 MARKER_FILE = "tiny_model_build.json"
+
+#: The checkpoint's index (tensor name -> file), as a sharded checkpoint has; added to a build made without it.
+INDEX_FILE = "model.safetensors.index.json"
 
 #: Total tokenizer size including the added tokens (a multiple of 64, so the model's vocab_size equals it).
 TOKENIZER_VOCAB_SIZE = 1536
@@ -220,6 +225,8 @@ def build_tiny_model(
     if not overwrite:
         _check_existing(out_dir, params)
         if _read_marker(out_dir) is not None:
+            if not (out_dir / INDEX_FILE).is_file():  # a build from before the index was written
+                _write_index(out_dir)
             return out_dir
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -289,6 +296,7 @@ def _build_into(path: Path, params: dict[str, Any]) -> None:
     finally:
         if progress_bars:
             hf_logging.enable_progress_bar()
+    _write_index(path)
     # transformers 5 records its new class name ("TokenizersBackend"); the old alias loads in 4.x and 5.x
     # alike and, unlike a model-specific class such as Qwen2Tokenizer, uses tokenizer.json as it is.
     config_path = path / "tokenizer_config.json"
@@ -299,6 +307,28 @@ def _build_into(path: Path, params: dict[str, Any]) -> None:
     os.chmod(path, 0o755)
     for child in path.iterdir():
         os.chmod(child, 0o644)
+
+
+def _write_index(path: Path) -> None:
+    """The checkpoint's index, as sharded checkpoints have: every tensor -> its file. Tools that read a target's
+    weights by name look it up there (SpecForge's EAGLE-3 trainer reads the LM head through it and finds no
+    weights without it). Written beside the weights, atomically: readers never see half of it."""
+    from safetensors import safe_open
+
+    weights = path / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as checkpoint:
+        names = sorted(checkpoint.keys())
+        total = sum(_tensor_bytes(checkpoint, name) for name in names)
+    index = {"metadata": {"total_size": total}, "weight_map": {name: weights.name for name in names}}
+    temporary = path / f".{INDEX_FILE}.{os.getpid()}.tmp"
+    temporary.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path / INDEX_FILE)
+
+
+def _tensor_bytes(checkpoint, name: str) -> int:
+    tensor = checkpoint.get_tensor(name)
+    return tensor.numel() * tensor.element_size()
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -104,8 +104,10 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., WorkerProcess]]:
         extra_args: tuple[str, ...] = (),
         env: dict | None = None,
         prefix: tuple[str, ...] = (),
+        hostname: str | None = None,
     ) -> WorkerProcess:
-        name = f"{lane}-{len(started)}@{tmp_path.name[:40]}"
+        """`hostname`: the node name (default: one of its own per worker; a restarted worker reuses one)."""
+        name = hostname or f"{lane}-{len(started)}@{tmp_path.name[:40]}"
         environment = {**os.environ, **(env or {})}
         # Injected faults reach a worker only through the harness's wrapper, which installs them.
         injected = bool(environment.get(faults.ENV))

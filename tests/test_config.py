@@ -87,6 +87,29 @@ def test_bad_values_name_file_and_key(tmp_path, model_dir, tables, key, words):
     assert words in message
 
 
+@pytest.mark.parametrize(
+    "tables, line",
+    [
+        ({"generate": {"bach_size": 4}}, "generate.bach_size: unknown key; did you mean batch_size?"),
+        ({"generate.sampling": {"max_token": 8}}, "generate.sampling.max_token: unknown key; did you mean max_tokens?"),
+        ({"extract": {"num_draft_layer": 5}}, "extract.num_draft_layer: unknown key; did you mean num_draft_layers?"),
+        ({"storage.uploader": {"max_pendng": 2}}, "storage.uploader.max_pendng: unknown key; did you mean max_pending?"),
+        ({"brokr": {"url": ""}}, "brokr: unknown key; did you mean broker?"),
+        ({"run": {"statedir": "s"}}, "run.statedir: unknown key; did you mean state_dir?"),
+        ({"generate.vllm": {"tensor_parallel": 2}}, "generate.vllm.tensor_parallel: unknown key; did you mean "
+                                                    "tensor_parallel_size?"),
+        # Nothing close: no guess; and `source`, which is not a key, is never suggested.
+        ({"dataset": {"colour": "blue"}}, "dataset.colour: unknown key\n"),
+        ({"sourc": {}}, "sourc: unknown key\n"),
+    ],
+)
+def test_a_misspelt_key_gets_the_nearest_one(tmp_path, model_dir, tables, line):
+    path = write(tmp_path, {**base(model_dir), **tables})
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    assert f"  {line}" in str(info.value) + "\n"
+
+
 def test_vllm_section_loads_with_its_environment_table(tmp_path, model_dir):
     tables = {
         **base(model_dir),

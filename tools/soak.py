@@ -12,6 +12,9 @@ process of its own). For `--duration` seconds faults arrive at random (exponenti
   stall-broker   SIGSTOP of redis-server for 2-6 s, then SIGCONT (stalled connections)
   storage-down   the S3 endpoint stopped (SIGSTOP) for 2-6 s, or the local root made read-only for 2-6 s
 
+When it ends, or is stopped (SIGTERM, Ctrl-C), it stops every process it started, restarted workers and those
+they replaced included: SIGTERM, then SIGKILL after 30 s, the broker last.
+
 `--seed` fixes the schedule (the same seed, the same faults at the same times). After the window every fault is
 healed and the job runs to its end; a job that makes no progress for `--stall-s` while shards are left gets the
 documented recovery (`enqueue --rebuild`: storage decides what is done), which the report counts.
@@ -61,6 +64,8 @@ from dfq_testing.jobs import root_bypass_dropped  # noqa: E402
 from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 FAULTS = ("kill-worker", "term-worker", "kill-broker", "stall-broker", "storage-down")
+# How long a process the soak started gets between SIGTERM and SIGKILL when the soak ends.
+STOP_GRACE_S = 30.0
 
 
 @dataclass
@@ -128,9 +133,22 @@ class Job:
     def __init__(self, args: argparse.Namespace, root: Path) -> None:
         self.args = args
         self.root = root
-        self.redis = RedisServer(root / "redis", appendonly=True).start()
+        # Every process the soak starts, restarted workers and the enqueues included, so that none outlives it.
+        self.started: list[WorkerProcess] = []
+        self.enqueues: list[subprocess.Popen] = []
+        self.redis = RedisServer(root / "redis", appendonly=True)
         self.s3 = None
-        tables = tiny_config_tables(build_tiny_model(root / "model"), root / "storage", self.redis.url, root / "state")
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        args, root = self.args, self.root
+        self.redis.start()
+        model = args.model or build_tiny_model(root / "model")
+        tables = tiny_config_tables(model, root / "storage", self.redis.url, root / "state")
         overrides: dict = {
             "run": {"name": "soak"},
             "broker": {"visibility_timeout_s": 600, "task_timeout_s": 300, "worker_liveness_s": 6, "max_deliveries": 6},
@@ -173,6 +191,8 @@ class Job:
             hostname=self.node(name), prefix=self.prefix,
             module="dfq_testing.faulty_worker" if self.args.task_s else "dflash_queue",
         )
+        # The worker it replaces may still be finishing its warm shutdown: both are kept to be stopped.
+        self.started.append(self.workers[name])
 
     def node(self, name: str) -> str:
         return f"{name}.{self.starts[name]}@soak"
@@ -185,10 +205,12 @@ class Job:
 
     def enqueue(self, wave: Path) -> subprocess.Popen:
         with (self.root / "logs" / "enqueue.log").open("a") as log:
-            return subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "dflash_queue", "enqueue", str(wave), "-c", str(self.config.source)],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT,
             )
+        self.enqueues.append(process)
+        return process
 
     def note_held(self, shards: dict[str, str]) -> None:
         """Which shard and lane each task the workers hold is for (task ids are not shard ids)."""
@@ -210,12 +232,40 @@ class Job:
     def storage_root(self) -> Path:
         return Path(self.config.storage.url)
 
+    def stop_processes(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Every worker ever started (restarted ones and those they replaced) and every enqueue: SIGTERM (a warm
+        shutdown), then SIGKILL of its process group for any still running after `grace_s` (a worker in warm
+        shutdown retrying a broker that is gone ignores SIGTERM for minutes)."""
+        workers = [w for w in self.started if w.alive()]
+        enqueues = [p for p in self.enqueues if p.poll() is None]
+        for worker in workers:
+            worker.terminate()
+        for process in enqueues:
+            process.terminate()
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and (any(w.alive() for w in workers)
+                                               or any(p.poll() is None for p in enqueues)):
+            time.sleep(0.2)
+        for worker in workers:
+            if worker.alive():
+                print(f"  {worker.hostname} (pid {worker.pid}) still running {grace_s:.0f} s after SIGTERM: killed",
+                      flush=True)
+            worker.stop(timeout=0.1)  # kills what is left, closes its log
+        for process in enqueues:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
     def close(self) -> None:
-        for worker in self.workers.values():
-            worker.stop(timeout=30)
-        self.redis.stop()
-        if self.s3 is not None:
-            self.s3.stop()
+        """Stop everything the soak started: the workers and enqueues first (they may still need the broker to
+        finish), then the broker and the S3 endpoint."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+        try:
+            self.stop_processes()
+        finally:
+            self.redis.stop()
+            if self.s3 is not None:
+                self.s3.stop()
 
 
 def inject(job: Job, fault: Fault, down_s: float, draw: int, heal_at: list[tuple[float, object]]) -> None:
@@ -322,7 +372,11 @@ def main() -> int:
     parser.add_argument("--stall-s", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up waiting for the job after this")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a tiny model built before (dfq_testing.tiny_model); default: built in the workdir")
     args = parser.parse_args()
+    # Stopped from outside (a CI job cancelled, `kill`): unwind, so that everything started is stopped too.
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
     planned = schedule(args.seed, args.duration, args.mean_gap_s)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="dfq-soak-"))
@@ -391,8 +445,7 @@ def main() -> int:
             time.sleep(0.2)
         elapsed = time.monotonic() - opened
         time.sleep(2)  # the last acknowledgements
-        for worker in job.workers.values():  # nothing may change storage or the ledger while they are compared
-            worker.stop(timeout=60)
+        job.stop_processes(grace_s=60)  # nothing may change storage or the ledger while they are compared
         print(f"\njob finished after {elapsed:.0f} s: {done} shards done, {failed} failed; {len(faults)} faults; "
               f"{recoveries} recoveries (enqueue --rebuild)")
         for fault in faults:

@@ -31,15 +31,39 @@ def load(config_path: Path, *, storage_url: str | None = None, model: dict[str, 
         raise click.ClickException(str(exc)) from None
 
 
+def broker_ready(config: Config, what: str) -> Config:
+    """`config`, once its broker lets this command in: what every command that talks to the broker calls first.
+    Else exit with one line naming the setting to fix (broker.url, the password's variable or file,
+    broker.username), within a few seconds and without a traceback: a refused login, no password given, no answer.
+    (Left alone, the clients behind Celery retry a refused login as they would a broker that is down: minutes of
+    silence, then a traceback.)"""
+    from dflash_queue.doctor.broker import broker_problem
+
+    if not config.broker.url:
+        raise click.ClickException(
+            f"{config.source}: broker.url is empty: {what} needs the broker; set broker.url (or DFQ_BROKER_URL)"
+        )
+    try:
+        url = config.broker.connection_url()
+    except ConfigError as exc:  # a password file that cannot be read
+        raise click.ClickException(str(exc)) from None
+    problem = broker_problem(url, password_from=config.broker.password_origin())
+    if problem is not None:
+        raise click.ClickException(problem.message)
+    return config
+
+
 def reading_broker(config: Config, what: str) -> Config:
     """`config` with the broker `what` reads: its own, or that of the job `dflash-queue run` ran with an empty
-    broker.url (run_broker.py), kept up until the command ends; or exit saying what to set."""
+    broker.url (run_broker.py), kept up until the command ends, once it lets this command in; or exit saying what
+    to set."""
     from dflash_queue.run_broker import broker_for_reading
 
     try:
-        return click.get_current_context().with_resource(broker_for_reading(config, what))
+        config = click.get_current_context().with_resource(broker_for_reading(config, what))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    return broker_ready(config, what.split(" ", 1)[0])
 
 
 def architecture_options(command):

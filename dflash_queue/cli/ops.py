@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from dflash_queue.cli.common import config_option, load
+from dflash_queue.cli.common import broker_ready, config_option, load
 from dflash_queue.errors import ConfigError
 from dflash_queue.lanes.registry import LANES
 
@@ -128,10 +128,8 @@ def flower(config_path: Path, port: int | None, address: str | None) -> None:
     """Run Flower for CONFIG's broker; basic auth from FLOWER_BASIC_AUTH (user:password)."""
     from dflash_queue.ops.flower import check_basic_auth, flower_argv, run_flower
 
-    config = load(config_path)
+    config = broker_ready(load(config_path), "Flower")
     try:
-        if not config.broker.url:
-            raise ConfigError(f"{config_path}: broker.url is empty; Flower needs the broker (or DFQ_BROKER_URL)")
         check_basic_auth(os.environ)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dflash_queue.cli.common import config_option, load
+from dflash_queue.cli.common import broker_ready, config_option, load
 from dflash_queue.errors import ConfigError, DflashQueueError
 from dflash_queue.lanes.registry import LANES
 
@@ -35,7 +35,7 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
     from dflash_queue.producer import Producer
     from dflash_queue.queue.app import configure_app
 
-    config = load(config_path)
+    config = broker_ready(load(config_path), "enqueue")
     try:
         configure_app(config)
     except ConfigError as exc:
@@ -106,6 +106,12 @@ def worker(
 
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
+    from dflash_queue.run_lock import refuse_foreign_worker
+
+    try:
+        refuse_foreign_worker(config.run.state_dir, config.run.name)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         code = run_worker(config, lane, concurrency=concurrency, hostname=hostname, loglevel=loglevel)
     except DflashQueueError as exc:  # storage check failed, bad storage settings: say why and exit non-zero
@@ -129,6 +135,8 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
     from dflash_queue.runner import RunFailed, run_single_box
 
     config = load(config_path, storage_url=output)
+    if config.broker.url:  # else a private broker, started by the run itself
+        broker_ready(config, "run")
     try:
         faults.refuse_uninstalled()
     except ConfigError as exc:
@@ -165,7 +173,7 @@ def epoch(config_path: Path, number: int | None, seed: int, resend: bool) -> Non
     from dflash_queue.ledger import Ledger
     from dflash_queue.live.epochs import start_epoch
 
-    config = load(config_path)
+    config = broker_ready(load(config_path), "epoch")
     ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
     consumption = Consumption(ledger.client, config.run.name)
     if number is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import redis
@@ -59,25 +60,69 @@ def needs_password(url: str, *, timeout_s: float = 5.0) -> bool:
     return False
 
 
-def login_error(url: str, *, timeout_s: float = 5.0) -> str | None:
-    """Why the broker refuses these credentials (wrong password, no password given, a user without the
-    rights workers need), None when it accepts them or does not answer (the connection's retries report
-    that). The message never holds the password."""
+@dataclass(frozen=True)
+class BrokerProblem:
+    """Why a client cannot use the broker, in one line naming the setting to fix: it refuses the login
+    (`refused`), or it does not answer."""
+
+    message: str
+    refused: bool
+
+
+# Where the password comes from (queue/config.py): named in every refusal.
+PASSWORD_SETTINGS = "DFQ_BROKER_PASSWORD, DFQ_BROKER_PASSWORD_FILE or broker.password_file"
+
+
+def broker_problem(url: str, *, password_from: str = "", timeout_s: float = 3.0) -> BrokerProblem | None:
+    """Whether the broker at `url` (credentials in it) lets a client in: None when it does, else why, in one line
+    that names the setting to fix and never holds the password. `password_from`: where the URL's password came
+    from (BrokerConfig.password_origin)."""
+    parts = urlsplit(url)
+    where = redact(url)
+    who = f"user {parts.username!r}" if parts.username else "the default user"
     client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-    user = urlsplit(url).username
-    who = f"user {user!r}" if user else "the default user"
     try:
         client.ping()
     except redis.AuthenticationError as exc:
-        return f"broker {redact(url)} refuses {who}: {exc} (check DFQ_BROKER_PASSWORD, DFQ_BROKER_PASSWORD_FILE, " \
-            "broker.password_file and broker.username)"
+        if parts.password is None:
+            return BrokerProblem(
+                f"broker {where} refuses {who}: it needs a password and none is set; set {PASSWORD_SETTINGS}"
+                + ("" if parts.username else " (and broker.username for an ACL user)"),
+                refused=True,
+            )
+        said = str(exc).strip().rstrip(".")
+        return BrokerProblem(
+            f"broker {where} refuses {who}: {said} (the password from {password_from or PASSWORD_SETTINGS}; check "
+            "it and broker.username)",
+            refused=True,
+        )
     except redis.exceptions.NoPermissionError as exc:
-        return f"broker {redact(url)}: {who} may not run the commands workers need: {exc}"
-    except redis.RedisError:
-        return None
+        return BrokerProblem(f"broker {where}: {who} may not run the commands workers need: {_one_line(exc)} "
+                             "(broker.username names a user without them)", refused=True)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        return BrokerProblem(
+            f"broker {where} does not answer ({_one_line(exc)}): check broker.url (or DFQ_BROKER_URL) and that its "
+            "redis-server runs and is reachable from here",
+            refused=False,
+        )
+    except redis.RedisError as exc:
+        return BrokerProblem(f"broker {where}: {type(exc).__name__}: {_one_line(exc)} (check broker.url)",
+                             refused=False)
     finally:
         client.close()
     return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()).rstrip(".")
+
+
+def login_error(url: str, *, password_from: str = "", timeout_s: float = 5.0) -> str | None:
+    """Why the broker refuses these credentials (wrong password, no password given, a user without the
+    rights workers need), None when it accepts them or does not answer (the connection's retries report
+    that). The message never holds the password."""
+    problem = broker_problem(url, password_from=password_from, timeout_s=timeout_s)
+    return problem.message if problem is not None and problem.refused else None
 
 
 def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:

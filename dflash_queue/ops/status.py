@@ -61,8 +61,9 @@ class LaneStatus:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     dead_letters: int = 0
     eta_s: float | None = None
-    # Messages held by workers whose heartbeat stopped (killed, lost with their node), and in how many seconds at
-    # most a live worker puts them back on the queue.
+    # Messages held by dead workers (killed, lost with their node: heartbeat stopped or process gone), counted in
+    # `reserved` but not moving, and in how many seconds at most a live worker puts them back on the queue (None
+    # while no worker is alive to do it).
     held_by_dead: int = 0
     held_back_in_s: float | None = None
     # Samples recomputed alone by the canary, and the worst relative error any of them showed (a lane that
@@ -179,7 +180,10 @@ def collect_status(
         dead = dead_letters_per_lane(client, config.run.name)
         depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
         live = collect_live(client, config, now=now)
-        held = Liveness(client, config.run.name, config.broker.worker_liveness_s).held_by_dead()
+        liveness = Liveness(client, config.run.name, config.broker.worker_liveness_s)
+        held = liveness.held_by_dead()
+        # Only a live worker puts back what a dead one held: with none, nothing says when that work moves again.
+        someone_beats = liveness.any_alive()
         stopped = StoppedWorkers(client, config.run.name).all()
     finally:
         client.close()
@@ -235,11 +239,15 @@ def collect_status(
             status.eta_s = len(pending) / shard_rate
         dead_held = [m for m in held if m.queue == spec.queue]
         if dead_held:
-            # Those shards wait at least until they are put back: no ETA says less.
+            # Held work is not moving: it waits until a live worker puts it back, then for a worker to do it. No
+            # ETA says less, and none is given while no worker lives to put it back.
             status.held_by_dead = len(dead_held)
-            status.held_back_in_s = max(0.0, max(m.back_by() for m in dead_held) - now)
-            if status.eta_s is not None:
-                status.eta_s = max(status.eta_s, status.held_back_in_s)
+            if someone_beats:
+                status.held_back_in_s = max(0.0, max(m.back_by() for m in dead_held) - now)
+            if status.held_back_in_s is None or shard_rate <= 0:
+                status.eta_s = None
+            elif status.eta_s is not None:
+                status.eta_s = max(status.eta_s, status.held_back_in_s + len(dead_held) / shard_rate)
         lanes[name] = status
 
     etas = [lane.eta_s for lane in lanes.values()] if states else [None]

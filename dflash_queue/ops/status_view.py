@@ -88,9 +88,13 @@ def _workers(s: LaneStatus) -> str:
 
 def _in_flight(s: LaneStatus) -> str:
     running = "?" if s.running is None else f"{s.running}"
-    shown = f"{running} running, {s.reserved} unacked"
+    shown = f"{running} running, {s.reserved - s.held_by_dead} unacked"
     if s.held_by_dead:
-        shown += f" ({s.held_by_dead} held by a dead worker, back in {humanize.duration(s.held_back_in_s)})"
+        back = (
+            f"back on the queue in {humanize.duration(s.held_back_in_s)}" if s.held_back_in_s is not None
+            else "back once a worker starts"
+        )
+        shown += f"; {s.held_by_dead} stranded, held by a dead worker ({back})"
     return shown
 
 

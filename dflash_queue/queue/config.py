@@ -90,6 +90,18 @@ class BrokerConfig(Section):
                 return _read_password(path, origin)
         return None
 
+    def password_origin(self, env: Mapping[str, str] | None = None) -> str:
+        """Where `password()` comes from, for messages ("DFQ_BROKER_PASSWORD", "broker.password_file (PATH)");
+        "" when no password is set."""
+        environ: Mapping[str, str] = os.environ if env is None else env
+        if environ.get(PASSWORD_ENV):
+            return PASSWORD_ENV
+        if environ.get(PASSWORD_FILE_ENV):
+            return f"{PASSWORD_FILE_ENV} ({environ[PASSWORD_FILE_ENV]})"
+        if self.password_file:
+            return f"broker.password_file ({self.password_file})"
+        return ""
+
     def connection_url(self, env: Mapping[str, str] | None = None) -> str:
         """`url` with the user and password put in (percent-encoded): what clients connect with. Never shown:
         display `url`, which holds neither."""

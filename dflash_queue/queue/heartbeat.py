@@ -1,5 +1,6 @@
-"""A worker's heartbeat thread: it keeps the worker's liveness key, records the messages the worker takes, and puts
-back those of workers whose heartbeat stopped (see dflash_queue/liveness.py)."""
+"""A worker's heartbeat thread: it registers the worker process (an incarnation), keeps its liveness key, records
+the messages it takes, and puts back those of dead incarnations, its own predecessors under the same node name
+first (see dflash_queue/liveness.py)."""
 
 from __future__ import annotations
 
@@ -9,26 +10,35 @@ import threading
 from celery import Celery, signals
 
 from dflash_queue.ledger import resilient_client
-from dflash_queue.liveness import HeldMessage, Liveness
+from dflash_queue.liveness import HeldMessage, Incarnation, Liveness
 
 log = logging.getLogger(__name__)
 
 
-def restore_held_by_dead(app: Celery, liveness: Liveness) -> list[HeldMessage]:
-    """Put the still-unacknowledged messages of dead nodes back on their queues; returns those put back."""
+def put_back(app: Celery, liveness: Liveness, incarnations: list[Incarnation]) -> list[HeldMessage]:
+    """Put the still-unacknowledged messages of `incarnations` (dead ones) back on their queues and forget those
+    incarnations; returns the messages put back."""
     restored: list[HeldMessage] = []
-    held = liveness.held_by_dead()
-    if not held:
+    if not incarnations:
         return restored
-    with app.connection_for_write() as connection:
-        channel = connection.default_channel
-        client = channel.client
-        for message in held:
-            if client.hexists(channel.unacked_key, message.tag):
-                channel.qos.restore_by_tag(message.tag, client=client)
-                restored.append(message)
-            liveness.done(message.node, message.task_id)
+    held = liveness.held_by(incarnations)
+    if held:
+        with app.connection_for_write() as connection:
+            channel = connection.default_channel
+            client = channel.client
+            for message in held:
+                if client.hexists(channel.unacked_key, message.tag):
+                    channel.qos.restore_by_tag(message.tag, client=client)
+                    restored.append(message)
+                liveness.done(message.incarnation, message.task_id)
+    for incarnation in incarnations:
+        liveness.leave(incarnation.id)
     return restored
+
+
+def restore_held_by_dead(app: Celery, liveness: Liveness) -> list[HeldMessage]:
+    """Put the still-unacknowledged messages of dead incarnations back on their queues; returns those put back."""
+    return put_back(app, liveness, liveness.dead())
 
 
 class Heartbeat:
@@ -38,13 +48,35 @@ class Heartbeat:
     def __init__(self, app: Celery, broker_url: str, run_name: str, node: str, ttl_s: int) -> None:
         self.app = app
         self.node = node
+        self.incarnation = Incarnation.of_this_process(node)
         self.liveness = Liveness(resilient_client(broker_url), run_name, ttl_s)
         self.interval_s = ttl_s / 3
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dfq-heartbeat", daemon=True)
 
+    def succeed_predecessors(self) -> list[HeldMessage]:
+        """Put back what earlier workers under this node name held (a crashed worker restarted under its name):
+        called before this worker takes anything. Failures are logged; the beats try again."""
+        try:
+            predecessors = self.liveness.predecessors(self.incarnation)
+            restored = put_back(self.app, self.liveness, predecessors)
+        except Exception:
+            log.exception("could not put back what earlier workers named %s held; the heartbeat tries again", self.node)
+            return []
+        for predecessor in predecessors:
+            mine = [m for m in restored if m.incarnation == predecessor.id]
+            log.warning(
+                "succeeding %s: put back %d message(s) it held (%s)", predecessor.describe(), len(mine),
+                ", ".join(f"{m.queue} task {m.task_id}, shard {m.shard_id}" for m in mine) or "none unacknowledged",
+            )
+        return restored
+
     def start(self) -> None:
-        self.liveness.beat(self.node)
+        self.succeed_predecessors()
+        try:
+            self.liveness.register(self.incarnation)
+        except Exception:
+            log.exception("could not register this worker's heartbeat; trying again in %.0f s", self.interval_s)
         signals.task_received.connect(self._received, weak=False)
         signals.task_postrun.connect(self._finished, weak=False)
         self._thread.start()
@@ -54,7 +86,7 @@ class Heartbeat:
         signals.task_received.disconnect(self._received)
         signals.task_postrun.disconnect(self._finished)
         try:
-            self.liveness.leave(self.node)
+            self.liveness.leave(self.incarnation.id)
         except Exception:
             log.exception("could not remove this worker's heartbeat")
 
@@ -62,7 +94,7 @@ class Heartbeat:
         try:
             args = request.args or ()
             self.liveness.took(
-                self.node,
+                self.incarnation.id,
                 request.id,
                 str(request.message.delivery_tag),
                 (request.delivery_info or {}).get("routing_key", ""),
@@ -73,18 +105,23 @@ class Heartbeat:
 
     def _finished(self, task_id=None, **_kwargs) -> None:
         try:
-            self.liveness.done(self.node, task_id or "")
+            self.liveness.done(self.incarnation.id, task_id or "")
         except Exception:
             log.exception("could not forget a finished message")
+
+    def _beat(self) -> None:
+        # Registered again on every beat: a broker restored from an old copy, or one that was down when the worker
+        # started, knows this worker as soon as it answers.
+        self.liveness.register(self.incarnation)
+        for message in restore_held_by_dead(self.app, self.liveness):
+            log.warning(
+                "put back on %s: task %s (shard %s) held by %s, whose heartbeat stopped or whose process is gone",
+                message.queue, message.task_id, message.shard_id, message.node,
+            )
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.liveness.beat(self.node)
-                for message in restore_held_by_dead(self.app, self.liveness):
-                    log.warning(
-                        "put back on %s: task %s (shard %s) held by %s, whose heartbeat stopped",
-                        message.queue, message.task_id, message.shard_id, message.node,
-                    )
+                self._beat()
             except Exception:
                 log.exception("heartbeat failed; trying again in %.0f s", self.interval_s)

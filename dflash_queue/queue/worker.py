@@ -90,11 +90,14 @@ def run_worker(
     refused = login_error(broker_url)
     if refused:
         raise BrokerLoginRefused(refused)
+    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
+    heartbeat = Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s)
+    # A worker restarted under its name (systemd) puts back what its dead predecessor held, before its engine loads.
+    heartbeat.succeed_predecessors()
     concurrency = concurrency or spec.default_slots(config)
     for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(broker_url)]:
         log.warning("%s", warning)
     storage = open_checked_storage(config)
-    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
     ledger = Ledger.from_url(broker_url, config.run.name)
     before = StoppedWorkers(ledger.client, config.run.name).clear(node)
     if before is not None:
@@ -109,7 +112,7 @@ def run_worker(
         storage=storage,
         node=node,
     )
-    _attach(app, rt, Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s))
+    _attach(app, rt, heartbeat)
     code = app.start(
         [
             "worker",

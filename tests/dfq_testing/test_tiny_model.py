@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dfq_testing.tiny_model import MARKER_FILE, build_tiny_model
+from dfq_testing.tiny_model import INDEX_FILE, MARKER_FILE, build_tiny_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -188,3 +188,34 @@ def test_cli_on_an_existing_build(model_dir: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == str(model_dir)
+
+
+def test_the_index_names_every_tensor_and_the_peers_loaders_read_the_weights_through_it(model_dir: Path) -> None:
+    """SpecForge's EAGLE-3 trainer reads the target's LM head through its index file, and its draft's embedding the
+    same way when there is one."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from specforge.modeling.target.target_head import TargetHead
+
+    index = json.loads((model_dir / INDEX_FILE).read_text())
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as checkpoint:
+        names = set(checkpoint.keys())
+        lm_head = checkpoint.get_tensor("lm_head.weight")
+        total = sum(checkpoint.get_tensor(n).numel() * checkpoint.get_tensor(n).element_size() for n in names)
+    assert set(index["weight_map"]) == names and set(index["weight_map"].values()) == {"model.safetensors"}
+    assert index["metadata"]["total_size"] == total == (model_dir / "model.safetensors").stat().st_size - \
+        (8 + int.from_bytes((model_dir / "model.safetensors").read_bytes()[:8], "little"))
+    head = TargetHead.from_pretrained(str(model_dir))
+    assert torch.equal(head.fc.weight, lm_head.to(torch.bfloat16))
+
+
+def test_a_build_made_without_the_index_gets_it_on_reuse(model_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    old = tmp_path / "old-build"
+    shutil.copytree(model_dir, old)
+    (old / INDEX_FILE).unlink()
+    assert build_tiny_model(old) == old
+    assert (old / INDEX_FILE).read_bytes() == (model_dir / INDEX_FILE).read_bytes()

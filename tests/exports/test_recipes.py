@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -89,10 +90,15 @@ def test_the_recipe_fits_the_target_it_is_written_for(title, tmp_path):
     export = command(blocks["bash"], "dflash-queue export")
     assert value(export, "--format") == name and value(export, "--method") == method
     if name == "speculators":
+        from speculators.train.config.resolution import build_parser
+
         train = command(blocks["bash"], "speculators train")
-        assert value(train, "--speculator-type") == method
-        assert option(train, "--target-layer-ids") == [str(i) for i in selection.trainer_layer_ids]
-        assert value(train, "--data-path") == export[-1] and value(train, "--on-missing") == "raise"
+        parsed = build_parser().parse_args(train[2:])  # speculators' own parser: an unknown flag exits
+        assert parsed.speculator_type == method and parsed.on_missing == "raise"
+        assert parsed.target_layer_ids == list(selection.trainer_layer_ids)
+        assert parsed.data_path == export[-1]
+        # The exported vocabulary is used: its counts, and the draft vocabulary size without which they are ignored.
+        assert parsed.token_freq_path == f"{export[-1]}/token_freq.pt" and parsed.draft_vocab_size > 0
     else:
         from specforge.modeling.draft.dflash import build_target_layer_ids
 
@@ -129,9 +135,18 @@ def test_the_recipe_runs_on_real_shards_through_the_trainers_own_code(
         train = replaced(train, "--data-path", [str(out)])
         train = replaced(train, "--target-layer-ids", ids)
         train = replaced(train, "--save-path", [str(tmp_path / "save")])
+        # The exported token counts, and a draft vocabulary below the tiny model's, chosen among counted tokens.
+        frequencies = torch.load(out / "token_freq.pt", weights_only=True)
+        size = min(64, len(frequencies) // 2)
+        train = replaced(train, "--token-freq-path", [str(out / "token_freq.pt")])
+        train = replaced(train, "--draft-vocab-size", [str(size)])
         built = run_speculators_train(train, monkeypatch)
         assert len(built["train"].dataset) + len(built["val"].dataset) == manifest["num_samples"]
         assert built["loss"] == built["loss"]  # a number: the draft trained on the recipe's data
+        # The draft predicts over the `size` tokens the export counted most.
+        most = sorted(frequencies, key=lambda token: (-frequencies[token], token))[:size]
+        assert built["model"].t2d.nonzero().flatten().tolist() == sorted(most)
+        assert (out / f"d2t-{size}.npy").is_file()
         return
 
     from specforge.algorithms.builtin import builtin_algorithm_registry
@@ -147,6 +162,12 @@ def test_the_recipe_runs_on_real_shards_through_the_trainers_own_code(
         run["model"]["aux_hidden_state_layer_ids"] = [int(i) for i in ids]
     path = tmp_path / f"{method}.yaml"
     path.write_text(yaml.safe_dump(run))
+    # The recipe's command as SpecForge's own command line reads it, up to its launch plan (training needs a GPU).
+    from specforge.cli import main as specforge
+
+    words = command(blocks["bash"], "specforge train")[1:]
+    words[words.index("--config") + 1] = str(path)
+    assert specforge([*words, "--plan"]) == 0
     config = load_specforge_config(str(path))
     algorithm = builtin_algorithm_registry().resolve(config.training.strategy)
     validate_resolved_run(config, algorithm)
@@ -157,8 +178,6 @@ def test_the_recipe_runs_on_real_shards_through_the_trainers_own_code(
     ).read()
     normalize = provider.build_normalizer(config.data.max_length, ttt_length=config.training.ttt_length,
                                           use_usp_preprocess=False)
-    import torch
-
     for ref in refs:
         normalize(torch.load(Path(ref.feature_store_uri.removeprefix("file://")), weights_only=True))
     assert len(refs) == manifest["num_samples"]

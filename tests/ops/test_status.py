@@ -157,6 +157,43 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
     assert "no sample checked yet" in text
 
 
+def test_work_held_by_a_dead_worker_is_stranded_never_moving(make_config, redis_url):
+    """Two generate tasks held by a dead worker (its heartbeat gone): shown stranded, not in flight; the ETA is at
+    least their return plus their processing, and unknown while no worker lives to put them back."""
+    from dflash_queue.liveness import Incarnation, Liveness
+
+    config = make_config(broker={"worker_liveness_s": 300})
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    ledger = Ledger(client, config.run.name)
+    now = 1_800_000_000.0
+    for index in range(10):
+        ledger.set_state(f"s{index}", DONE if index < 4 else "queued", num_samples=8)
+    ledger.add({"enqueued_samples": 80}, now=now - 300)
+    ledger.add({"generate_shards": 4}, now=now - 10)  # 1 shard per 75 s: 6 left, 450 s
+    liveness = Liveness(client, config.run.name, 300)
+    dead = Incarnation.of_this_process("generate-0@gone")
+    liveness.register(dead)
+    for shard in ("s4", "s5"):
+        liveness.took(dead.id, f"task-{shard}", f"tag-{shard}", "generate", shard)
+        client.hset("unacked", f"tag-{shard}", json.dumps([{}, "generate", "generate"]))
+    client.delete(f"dfq:{config.run.name}:alive:{dead.id}")
+    client.hset(f"dfq:{config.run.name}:last_seen", dead.id, repr(now - 10))
+
+    alone = collect_status(config, window_s=600, workers=WorkerView(), now=now).lanes["generate"]
+    assert (alone.reserved, alone.held_by_dead) == (2, 2)
+    assert alone.held_back_in_s is None and alone.eta_s is None  # nobody alive to put them back
+    assert "0 unacked; 2 stranded, held by a dead worker (back once a worker starts)" in _render(
+        collect_status(config, window_s=600, workers=WorkerView(), now=now))
+
+    liveness.register(Incarnation.of_this_process("generate-1@here"))  # a live worker puts them back
+    status = collect_status(config, window_s=600, workers=WorkerView(), now=now)
+    lane = status.lanes["generate"]
+    # Back by the dead heartbeat's expiry and one more beat (400 s after it was last seen), then done at the rate.
+    assert lane.held_back_in_s == pytest.approx(390.0)
+    assert lane.eta_s == pytest.approx(390.0 + 2 * 75.0)
+    assert "2 stranded, held by a dead worker (back on the queue in 6 min)" in _render(status)
+
+
 def test_queue_depth_counts_priority_queues_and_unacked_by_lane(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.rpush("generate", "a", "b")
