@@ -122,6 +122,14 @@ class ExtractVllmConfig(VllmEngineSettings):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"] = "auto"
     """The target's KV cache dtype. Quantized (fp8) caches are refused: the attention would read quantized keys and
     values, and every state after the first attention layer would differ from the model's own."""
+    reference_layers: Annotated[int, Field(ge=0)] = 4
+    """When the engine loads (and in `doctor`), its states of a probe sequence are compared with the checkpoint's own
+    Transformers forward over its first reference_layers decoder layers, at every captured layer among them (at
+    least the lowest captured one; every entry, final norm included, when it covers the model), computed in the
+    engine's dtype and in float32 on a spare GPU of the worker's, else on the host CPU, whose memory then holds
+    those layers' weights in float32; beyond what the dtype's rounding explains the engine refuses to start. It
+    sees what the canary cannot, an error the same batched and alone: a layer off by one, rows read from the wrong
+    cache slots, a kernel computing something else. 0: no comparison."""
     transfer_dir: str = ""
     """Where the engine's processes hand each sequence's states to the worker: a tmpfs (memory) directory. Empty:
     /dev/shm. Each engine uses a sub-directory of its own, removed when it stops (and by the next worker on this
