@@ -171,10 +171,11 @@ class TrainingShardWriter:
     def data_start(self) -> int:
         return 8 + self.header_bytes
 
-    def write(self, index: int, hidden_states: torch.Tensor) -> None:
-        """Check one row's states (shape, finite) and store them, converted to the shard's dtype."""
+    def write(self, index: int, hidden_states: torch.Tensor, *, replace: bool = False) -> None:
+        """Check one row's states (shape, finite) and store them, converted to the shard's dtype; `replace` writes
+        over a row written already."""
         row = self.rows[index]
-        if index in self._written:
+        if index in self._written and not replace:
             raise ShardFormatError(f"sample {row.id}: row {index} written twice")
         check_states(row.id, row.num_tokens, hidden_states, self.info)
         start = self._starts[index]
