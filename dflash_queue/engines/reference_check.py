@@ -16,9 +16,10 @@ layer differs by 0.5-1.5.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,14 +138,16 @@ def compare_with_reference(
     chosen, load = entries_to_compare(captured, num_layers, budget)
     layout = read_layout(model_path)
     device = device or torch.device("cpu")
-    model = load_text_decoder(
-        model_path,
-        dtype=torch.float32,
-        device=device,
-        attn_implementation=profile_config(layout.config).reference_attention,
-        layout=layout,
-        num_layers=load,
-    ).eval()
+    # Transformers reports the weights of the layers left out as unexpected: they are left out on purpose.
+    with _quiet("transformers.modeling_utils"):
+        model = load_text_decoder(
+            model_path,
+            dtype=torch.float32,
+            device=device,
+            attn_implementation=profile_config(layout.config).reference_attention,
+            layout=layout,
+            num_layers=load,
+        ).eval()
     entries = [captured[k] for k in chosen]
     try:
         truth = _forward(model, input_ids, entries)
@@ -184,6 +187,18 @@ def require_agreement(comparison: ReferenceComparison, engine: str) -> None:
         "computing something else); refusing to start (extract.engine = 'transformers' runs the checkpoint's own "
         "class)"
     )
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    """Warnings of `logger` left out (errors still shown) while the block runs."""
+    named = logging.getLogger(logger)
+    level = named.level
+    named.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        named.setLevel(level)
 
 
 def _forward(model: Any, input_ids: Sequence[int], entries: Sequence[tuple[int, str]]) -> torch.Tensor:
