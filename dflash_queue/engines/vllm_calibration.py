@@ -10,8 +10,8 @@ batches of 16 sequences of the shipped sample job's lengths, differs by a median
 sequences), where a swapped or one-token-shifted request differs by 1.2-1.5.
 
 So the probes meet what production meets: `PROBES` sequences (at most the engine's `max_num_seqs`) of lengths spread
-from short to the engine's context (at most `LONGEST_PROBE` tokens, or two steps), so that they fill several steps
-and the longer ones are prefilled over several; batched twice: once as one group of requests, and once as several
+from short to the engine's context (at most `LONGEST_PROBE` tokens, or one step when a step is longer), so that
+together they fill more than two steps and the longer ones are prefilled over several; batched twice: once as one group of requests, and once as several
 groups submitted at the same time from different threads, as the lane's concurrent tasks submit them. Each
 difference from the sequence alone is one draw of the noise. The tolerance is state_checks.CALIBRATION_FACTOR
 times the largest draw, between the dtype's floor and ceiling (TOLERANCE_FLOORS, TOLERANCE_CEILINGS: below what a
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,9 +67,10 @@ def avoid_single_token_tail(length: int, step_tokens: int) -> int:
 
 def probe_lengths(context: int, step_tokens: int, coverage: int, count: int) -> list[int]:
     """`count` lengths spread geometrically from SHORTEST_PROBE to the longest sequence the engine takes (at most
-    LONGEST_PROBE, or two steps when a step is longer), and one just past the model's window or chunk (`coverage`)
-    when it has one."""
-    longest = max(1, min(context - 1, max(LONGEST_PROBE, 2 * step_tokens)))
+    LONGEST_PROBE, or one step when a step is longer: together they fill more than two steps, so that some are
+    prefilled over several as production's are), and one just past the model's window or chunk (`coverage`) when it
+    has one."""
+    longest = max(1, min(context - 1, max(LONGEST_PROBE, step_tokens)))
     if step_tokens and longest > step_tokens and longest % step_tokens == 1:
         longest -= 1
     shortest = min(SHORTEST_PROBE, longest)
@@ -89,29 +91,38 @@ def probe_requests(lengths: Sequence[int], vocab_size: int, seed: int = 0) -> li
 
 
 def calibrate_batched(
-    capture: Callable[[Sequence[ExtractionRequest]], list[CapturedStates]],
+    capture: Callable[..., list[CapturedStates]],
     alone: Callable[[ExtractionRequest], torch.Tensor],
     probes: Sequence[ExtractionRequest],
     dtype: torch.dtype,
     *,
     groups: int,
 ) -> Calibration:
-    """The canary's tolerance from `probes` batched (by `capture`, safe from several threads at once) against the
-    same probes `alone`."""
+    """The canary's tolerance from `probes` batched (by `capture(requests, deliver=...)`, safe from several threads
+    at once) against the same probes `alone`. At most one round of the probes' states is held at a time: the
+    first round's until each probe has run alone, then the probes alone while the second round's arrive."""
     started = time.perf_counter()
-    together = capture(probes)
+    first = {p.sample_id: c.states for p, c in zip(probes, capture(probes))}
+    differences: list[StateDifference] = []
+    references: dict[str, torch.Tensor] = {}
+    for probe in probes:
+        references[probe.sample_id] = alone(probe)
+        differences.append(compare_states(first.pop(probe.sample_id), references[probe.sample_id]))
     reversed_probes = list(reversed(probes))
     size = math.ceil(len(reversed_probes) / max(groups, 1))
     slices = [reversed_probes[i : i + size] for i in range(0, len(reversed_probes), size)]
+    lock = threading.Lock()
+
+    def compare_group(group: list[ExtractionRequest]) -> None:
+        def arrived(index: int, captured: CapturedStates) -> None:
+            difference = compare_states(captured.states, references[group[index].sample_id])
+            with lock:
+                differences.append(difference)
+
+        capture(group, deliver=arrived)
+
     with ThreadPoolExecutor(max_workers=len(slices), thread_name_prefix="dfq-calibration") as pool:
-        concurrent = [captured for part in pool.map(capture, slices) for captured in part]
-    batched = {p.sample_id: [c.states] for p, c in zip(probes, together)}
-    for probe, captured in zip(reversed_probes, concurrent):
-        batched[probe.sample_id].append(captured.states)
-    differences = []
-    for probe in probes:
-        reference = alone(probe)
-        differences += [compare_states(states, reference) for states in batched[probe.sample_id]]
+        list(pool.map(compare_group, slices))  # as the lane's concurrent tasks submit them
     noise_whole = max((d.worst for d in differences), default=0.0)
     noise_head = max([noise_whole] + [d.worst_head for d in differences])
     tolerance = CanaryTolerance.calibrated(dtype, noise_whole, noise_head)

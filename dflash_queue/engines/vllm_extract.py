@@ -21,9 +21,11 @@ they are allocated, so a row the engine never wrote shows as zeros: chunked pref
 all-zero bug for hybrid models, #46301). Then the lane's own checks (finite values, plausible RMS, canary).
 
 The canary reruns a sample as a batch of one through the same engine: it waits until the requests already in the
-engine have finished, and new ones wait for it (`EngineGate`). vLLM is not batch invariant on GPUs, so its
-tolerance is calibrated when the engine loads: the same probe sequences batched and alone, in the production
-dtype; the tolerance is a multiple of that difference, never below the dtype's floor.
+engine have finished, and new ones wait for it (`EngineGate`). vLLM is not batch invariant, so its tolerance is
+calibrated when the engine loads on probe sequences batched as production batches them, in the production dtype
+(engines/vllm_calibration.py). An error the same batched and alone escapes the canary: so at load the engine's
+states of a probe are also compared with the checkpoint's own Transformers forward (engines/reference_check.py),
+and the engine refuses to start beyond the dtype's rounding.
 """
 
 from __future__ import annotations
