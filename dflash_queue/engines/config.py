@@ -225,10 +225,11 @@ class ExtractConfig(Section):
     batch of one through the same engine (vLLM). 0 turns the canary off."""
     canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
     """Relative error (per layer, over the whole sample and over its first 8 tokens, right after its pack boundary)
-    above which the canary fails the task for good. 0: calibrated when the engine loads, in the production dtype
-    and on the production device: 10 x the difference between probe sequences first in their pass (nothing can
-    leak into them; the vLLM engine: batched) and alone, never below the dtype's floor (1e-5 float32, 2e-4
-    bfloat16, 1e-4 float16)."""
+    above which the canary fails the task for good (after a re-check with both sides recomputed). 0: calibrated when
+    the engine loads, in the production dtype and on the production device: 10 x the difference between probe
+    sequences first in their pass (nothing can leak into them; the vLLM engine: batched as production batches) and
+    alone, never below the dtype's floor (1e-5 float32, 2e-4 bfloat16, 1e-4 float16) nor above its ceiling (1e-2
+    float32, 0.25 bfloat16 and float16: below what a sample given another token's or sequence's states differs by)."""
     canary_window_every: Annotated[int, Field(ge=0)] = 16
     """One shard in this many (drawn from the shard id) also has its canary run a sequence longer than the model's
     sliding window, attention chunk or linear-attention chunk, after another sequence in one pass, and compare it
