@@ -27,6 +27,14 @@ installed says so in its metadata (`injected_faults`). The faults, a JSON object
                                             one of their values before it computes their statistics (never in the
                                             canary's reruns alone), so that the checks that must catch such bugs
                                             are seen to
+  {"extract_vllm_states": {"slot_offset": 1}}
+                                            the connector reads every request's rows one slot on (canary reruns
+                                            included): an error the same batched and alone, for the load-time
+                                            comparison with the checkpoint's own Transformers forward to refuse
+  {"extract_vllm_states": {"flake": [id], "flake_canary": [id]}}
+                                            these samples' states shifted by one token once: the first time they
+                                            are handed over in a batch (`flake`), or rerun alone by the canary
+                                            (`flake_canary`); never again while the engine runs
 
 With nothing installed (always, in production), every hook is a no-op.
 """

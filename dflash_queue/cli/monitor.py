@@ -69,12 +69,18 @@ def status(config_path: Path, as_json: bool, watch: bool, interval: float, windo
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 @click.option("--warn-below-gb", type=float, default=20.0, show_default=True, help="Warn below this much free disk.")
 @click.option("--fail-below-gb", type=float, default=1.0, show_default=True, help="Fail below this much free disk.")
+@click.option(
+    "--skip-engine-start", is_flag=True,
+    help="Do not start the vLLM extract engine (to compare its states with the checkpoint's own forward): for a "
+    "node whose workers hold its GPUs.",
+)
 @architecture_options
 def doctor(
     config_path: Path,
     as_json: bool,
     warn_below_gb: float,
     fail_below_gb: float,
+    skip_engine_start: bool,
     model_config: Path | None,
     tokenizer_dir: Path | None,
 ) -> None:
@@ -82,7 +88,9 @@ def doctor(
     from dflash_queue.doctor import run_doctor
 
     config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
-    checks = run_doctor(config, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb)
+    checks = run_doctor(
+        config, warn_below_gb=warn_below_gb, fail_below_gb=fail_below_gb, start_engine=not skip_engine_start
+    )
     failed = sum(c.verdict == "fail" for c in checks)
     if as_json:
         click.echo(json.dumps([c.__dict__ for c in checks], indent=2))

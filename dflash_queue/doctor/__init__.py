@@ -12,6 +12,7 @@ from pathlib import Path
 from dflash_queue.config import Config
 from dflash_queue.doctor.broker import check_broker
 from dflash_queue.doctor.disk import check_free_disk
+from dflash_queue.doctor.extract_states import check_extract_states
 from dflash_queue.doctor.gpu import GpuInfo, check_gpus, read_gpus
 from dflash_queue.doctor.model import check_model, check_thinking_template
 from dflash_queue.doctor.result import Check
@@ -48,7 +49,9 @@ def run_doctor(
     warn_below_gb: float = 20.0,
     fail_below_gb: float = 1.0,
     gpu_reader: GpuReader = read_gpus,
+    start_engine: bool = True,
 ) -> list[Check]:
+    """Every check; `start_engine` also starts the vLLM extract engine (extract_states.py)."""
     checks = list(check_broker(config.broker.connection_url()))
     checks += check_configured_storage(config.storage)
     model_checks, tokenizer = check_model(config)
@@ -60,6 +63,9 @@ def run_doctor(
     checks += check_versions(vllm_needed_by=list(tensor_parallel))
     if config.extract.engine == "vllm":
         checks += _extract_engine_checks(config)
+        states = check_extract_states(config) if start_engine else None
+        if states is not None:
+            checks.append(states)
     if speculative_method(config.generate.vllm.engine_args):
         checks += _generate_engine_checks(config)
     gpus, arch_list, torch_cuda = gpu_reader()

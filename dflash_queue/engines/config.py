@@ -125,6 +125,14 @@ class ExtractVllmConfig(VllmEngineSettings):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"] = "auto"
     """The target's KV cache dtype. Quantized (fp8) caches are refused: the attention would read quantized keys and
     values, and every state after the first attention layer would differ from the model's own."""
+    reference_layers: Annotated[int, Field(ge=0)] = 4
+    """When the engine loads (and in `doctor`), its states of a probe sequence are compared with the checkpoint's own
+    Transformers forward over its first reference_layers decoder layers, at every captured layer among them (at
+    least the lowest captured one; every entry, final norm included, when it covers the model), computed in the
+    engine's dtype and in float32 on a spare GPU of the worker's, else on the host CPU, whose memory then holds
+    those layers' weights in float32; beyond what the dtype's rounding explains the engine refuses to start. It
+    sees what the canary cannot, an error the same batched and alone: a layer off by one, rows read from the wrong
+    cache slots, a kernel computing something else. 0: no comparison."""
     transfer_dir: str = ""
     """Where the engine's processes hand each sequence's states to the worker: a tmpfs (memory) directory. Empty:
     /dev/shm. Each engine uses a sub-directory of its own, removed when it stops (and by the next worker on this
@@ -220,10 +228,11 @@ class ExtractConfig(Section):
     batch of one through the same engine (vLLM). 0 turns the canary off."""
     canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
     """Relative error (per layer, over the whole sample and over its first 8 tokens, right after its pack boundary)
-    above which the canary fails the task for good. 0: calibrated when the engine loads, in the production dtype
-    and on the production device: 10 x the difference between probe sequences first in their pass (nothing can
-    leak into them; the vLLM engine: batched) and alone, never below the dtype's floor (1e-5 float32, 2e-4
-    bfloat16, 1e-4 float16)."""
+    above which the canary fails the task for good (after a re-check with both sides recomputed). 0: calibrated when
+    the engine loads, in the production dtype and on the production device: 10 x the difference between probe
+    sequences first in their pass (nothing can leak into them; the vLLM engine: batched as production batches) and
+    alone, never below the dtype's floor (1e-5 float32, 2e-4 bfloat16, 1e-4 float16) nor above its ceiling (1e-2
+    float32, 0.25 bfloat16 and float16: below what a sample given another token's or sequence's states differs by)."""
     canary_window_every: Annotated[int, Field(ge=0)] = 16
     """One shard in this many (drawn from the shard id) also has its canary run a sequence longer than the model's
     sliding window, attention chunk or linear-attention chunk, after another sequence in one pass, and compare it

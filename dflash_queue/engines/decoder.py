@@ -77,14 +77,18 @@ def load_text_decoder(
     attn_implementation: str,
     layout: CheckpointLayout | None = None,
     device_map: Mapping[str, int | str] | None = None,
+    num_layers: int | None = None,
 ) -> nn.Module:
     """The base (no LM head) text decoder of the checkpoint at `path` (whose `layout` the caller may have read
     already), on `device` or placed module by module by `device_map` (the decoder's module names, as
-    `spread_device_map` gives them), every weight loaded."""
+    `spread_device_map` gives them), every weight loaded; only its first `num_layers` decoder layers when given
+    (the others' weights are never read)."""
     from transformers import AutoModel
 
     layout = layout or read_layout(path)
     kwargs = _load_kwargs(layout, dtype, device, attn_implementation)
+    if num_layers is not None:
+        kwargs["config"] = truncated_config(layout.text_config, num_layers)
     if device_map is not None:
         kwargs["device_map"] = dict(device_map)
     model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -131,6 +135,17 @@ def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn
     model, info = loaded
     _require_complete(model, info, path, layout)
     return model.to(device)
+
+
+def truncated_config(text_config: Any, num_layers: int) -> Any:
+    """A copy of a text config with its first `num_layers` decoder layers only."""
+    import copy
+
+    config = copy.deepcopy(text_config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = list(config.layer_types)[:num_layers]
+    return config
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -24,9 +24,11 @@ the lane's (plausible RMS, constant layers), read those statistics, not the stat
 Then the canary.
 
 The canary reruns a sample as a batch of one through the same engine: it waits until the requests already in the
-engine have finished, and new ones wait for it (`EngineGate`). vLLM is not batch invariant on GPUs, so its
-tolerance is calibrated when the engine loads: the same probe sequences batched and alone, in the production
-dtype; the tolerance is a multiple of that difference, never below the dtype's floor.
+engine have finished, and new ones wait for it (`EngineGate`). vLLM is not batch invariant, so its tolerance is
+calibrated when the engine loads on probe sequences batched as production batches them, in the production dtype
+(engines/vllm_calibration.py). An error the same batched and alone escapes the canary: so at load the engine's
+states of a probe are also compared with the checkpoint's own Transformers forward (engines/reference_check.py),
+and the engine refuses to start beyond the dtype's rounding.
 """
 
 from __future__ import annotations
@@ -36,13 +38,11 @@ import contextlib
 import logging
 import os
 import queue
-import random
 import re
 import shutil
 import socket
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -60,7 +60,22 @@ from dflash_queue.engines.extract_probe import coverage_length
 from dflash_queue.engines.final_norm import FinalNorm
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
 from dflash_queue.engines.passes import all_finite, summarize, token_stats
-from dflash_queue.engines.state_checks import CanaryTolerance, calibrate, compare_states
+from dflash_queue.engines.reference_check import (
+    PROBE_TOKENS,
+    ReferenceComparison,
+    compare_with_reference,
+    entries_to_compare,
+    reference_device,
+    require_agreement,
+)
+from dflash_queue.engines.state_checks import CanaryTolerance
+from dflash_queue.engines.vllm_calibration import (
+    PROBES,
+    avoid_single_token_tail,
+    calibrate_batched,
+    probe_lengths,
+    probe_requests,
+)
 from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
 from dflash_queue.engines.vllm_states_connector import (
     CANARY_PARAM,
@@ -100,9 +115,6 @@ CONNECTOR_MODULE = "dflash_queue.engines.vllm_states_connector"
 STATES_WAIT_S = 300.0
 SCAN_MIN_S = 0.001
 SCAN_MAX_S = 0.02
-# Probe sequences for the canary's tolerance (state_checks.CanaryTolerance: a multiple of the batched-vs-alone
-# difference measured at load, never below the dtype's floor), and one past the model's window or chunk.
-CALIBRATION_LENGTHS = (37, 96, 211)
 _DIR_PREFIX = "dfq-states-"
 
 
@@ -386,6 +398,7 @@ class VllmStateExtractor:
             self._gate, self._arrivals = self._resident.run(self._make_loop_objects())
             self._coverage = coverage_length_of(text)
             self.calibrated_noise, self._tolerance = self._calibrate()
+            self.reference = self._check_reference(config)
         except BaseException:
             self.close()
             raise
@@ -568,35 +581,68 @@ class VllmStateExtractor:
     # Load-time calibration of the canary
 
     def _calibrate(self) -> tuple[float, CanaryTolerance]:
-        """(largest relative difference between probe sequences batched and alone, the canary's tolerance)."""
-        rng = random.Random(0)
-        lengths = [min(length, self.max_model_len - 1) for length in CALIBRATION_LENGTHS]
-        if self._coverage:  # one probe past the window or chunk, so that the tolerance covers that code too
-            lengths.append(min(self._coverage + 6, self.max_model_len - 1))
-        probes = [
-            ExtractionRequest(f"probe-{i}", [rng.randrange(self.vocab_size) for _ in range(length)])
-            for i, length in enumerate(lengths)
-        ]
-        started = time.perf_counter()
-        batched = self.capture(probes)
-        differences = [compare_states(c.states, self.reference_states(p)) for p, c in zip(probes, batched)]
-        measured = calibrate(self.dtype, differences)
+        """(largest relative difference between probe sequences batched and alone, the canary's tolerance); see
+        engines/vllm_calibration.py."""
+        scheduler = self._resident.engine.vllm_config.scheduler_config
+        step_tokens = int(scheduler.max_num_batched_tokens)
+        count = min(PROBES, int(scheduler.max_num_seqs))
+        lengths = probe_lengths(self.max_model_len, step_tokens, self._coverage, count)
+        calibration = calibrate_batched(
+            self.capture,
+            self.reference_states,
+            probe_requests(lengths, self.vocab_size),
+            self.dtype,
+            groups=self.concurrent_tasks,
+        )
+        measured = calibration.tolerance
         noise = measured.noise_whole
-        if measured.beyond_rounding(self.dtype):
+        shown = "/".join(map(str, calibration.lengths))
+        if calibration.beyond_rounding(self.dtype):
             raise UnsupportedArchitecture(
-                f"vLLM extract engine: probe sequences of {'/'.join(map(str, lengths))} tokens batched differ from "
-                f"the same sequences alone by {noise:.2e} relative, more than {self.dtype} rounding explains: this "
-                "engine does not extract this model exactly (extract.engine = 'transformers' may)"
+                f"vLLM extract engine: probe sequences of {shown} tokens batched differ from the same sequences "
+                f"alone by {calibration.typical:.2e} relative (median; largest {noise:.2e}), more than {self.dtype} "
+                "rounding explains: this engine does not extract this model exactly (extract.engine = "
+                "'transformers' may)"
             )
         tolerance = CanaryTolerance.fixed(self.configured_tolerance) if self.configured_tolerance else measured
         log.info(
-            "vLLM extract engine: probe sequences of %s tokens batched vs alone differ by %.2e relative (first "
-            "tokens %.2e, %s); canary tolerance %.2e whole sample, %.2e first tokens%s (%.1f s)",
-            "/".join(map(str, lengths)), noise, measured.noise_head,
+            "vLLM extract engine: probe sequences of %s tokens (steps of %d tokens) batched vs alone differ by %.2e "
+            "relative at most (median %.2e, first tokens %.2e, %s); canary tolerance %.2e whole sample, %.2e first "
+            "tokens%s (%.1f s)",
+            shown, step_tokens, noise, calibration.typical, measured.noise_head,
             str(self.dtype).removeprefix("torch."), tolerance.whole, tolerance.head,
-            " (extract.canary_tolerance)" if self.configured_tolerance else "", time.perf_counter() - started,
+            " (extract.canary_tolerance)" if self.configured_tolerance else "", calibration.seconds,
         )
+        if noise > tolerance.whole:
+            log.warning("vLLM extract engine: a probe differs batched from alone by more than the canary's tolerance "
+                        "(%.2e > %.2e): expect canary mismatches on this engine", noise, tolerance.whole)
         return noise, tolerance
+
+    def _check_reference(self, config: Config) -> ReferenceComparison | None:
+        """This engine's states of a probe sequence against the checkpoint's own Transformers forward (see
+        engines/reference_check.py); raises ReferenceMismatch beyond the dtype's rounding."""
+        settings = config.extract.vllm
+        if not settings.reference_layers:
+            log.warning("vLLM extract engine: no comparison with the checkpoint's own forward "
+                        "(extract.vllm.reference_layers = 0)")
+            return None
+        step_tokens = int(self._resident.engine.vllm_config.scheduler_config.max_num_batched_tokens)
+        length = min(max(PROBE_TOKENS, self._coverage + 6), self.max_model_len - 1)
+        probe = probe_requests([avoid_single_token_tail(length, step_tokens)], self.vocab_size, seed=1)[0]
+        _, layers = entries_to_compare(self.captured, self.num_model_layers, settings.reference_layers)
+        comparison = compare_with_reference(
+            config.model.path,
+            self.captured,
+            self.num_model_layers,
+            self.dtype,
+            self.reference_states(probe),
+            probe.input_ids,
+            budget=settings.reference_layers,
+            device=reference_device(config.model.path, layers, settings.tensor_parallel_size),
+        )
+        require_agreement(comparison, "vLLM extract engine")
+        log.info("vLLM extract engine: states as the checkpoint's own: %s", comparison.describe())
+        return comparison
 
     def close(self) -> None:
         resident = getattr(self, "_resident", None)

@@ -26,8 +26,13 @@ Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": 
 Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
 unwritten, shift by one token, swap, or put a NaN or an infinity into the states of named samples, or hand them
 over with other token ids, to prove that the worker's checks catch what such bugs would store. The canary's reruns
-of a sample alone are never altered: the faults stand for batching bugs, which a batch of one does not have.
+of a sample alone are not altered by these: they stand for batching bugs, which a batch of one does not have.
 `"no_space": [id, ...]` makes the first write of each named sample's states fail as a full tmpfs would (ENOSPC).
+Two faults are not batching bugs: a slot offset (`slot_offset`: every request's rows read that many slots on,
+canary reruns included, an error the same batched and alone, which only the load-time comparison with
+Transformers can see), and a flake (`flake`: a named sample shifted by one token the first time it is handed over
+in a batch, never again; `flake_canary`: the same on its first rerun alone), which the canary's re-check must tell
+from a persistent fault.
 """
 
 from __future__ import annotations
@@ -139,6 +144,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._copies: dict[str, Any] = {}  # request id -> CUDA event of its device-to-host copy (None: done)
         self._held: dict[str, tuple[StatesTransfer, torch.Tensor]] = {}  # a swap fault's first half
         self._no_space = set(self._faults.get("no_space", ()))  # samples whose first write fails (test fault)
+        self._flaked: set[tuple[str, str]] = set()  # (fault, sample) of the flakes that fired
         self._pool: ThreadPoolExecutor | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -320,9 +326,18 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._pool.submit(write)
 
     def _apply_faults(self, transfer: StatesTransfer, states: torch.Tensor) -> torch.Tensor | None:
-        if not self._faults or transfer.canary:
+        if not self._faults:
             return states
+        offset = int(self._faults.get("slot_offset", 0))
+        if offset:  # each token's row read `offset` slots on, within the sequence's slots
+            states = torch.roll(states, shifts=-offset, dims=0)
         sample = transfer.sample
+        flake = "flake_canary" if transfer.canary else "flake"
+        if sample in self._faults.get(flake, ()) and (flake, sample) not in self._flaked:
+            self._flaked.add((flake, sample))
+            return torch.roll(states, shifts=1, dims=0)
+        if transfer.canary:
+            return states
         if sample in self._faults.get("zero", ()):
             return torch.zeros_like(states)
         if sample in self._faults.get("constant", ()):

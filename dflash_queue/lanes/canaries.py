@@ -7,13 +7,20 @@ could not show in it) and are no longer than the shard's median, which keeps one
 sample's cost (a sample alone computes a little less efficiently than in a pack). Whether a sample followed
 another is known only once its pass ran, so the picker ranks every offered sample and keeps copies of the states
 of the best `count` seen so far: never more than `count` samples' states, whatever the shard size.
+
+A mismatch is checked again before it fails the shard, both sides recomputed: the shard's samples run through the
+engine again as the task ran them (`recompute`; their states replace the first pass's as they arrive), and the
+canary samples alone again. The second comparison decides: a fault of the engine, or of the batch (two requests'
+states swapped), recurs and fails the shard; a one-off flake on either side does not, and the shard is stored with
+the states of the pass that was checked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +28,9 @@ import torch
 
 from dflash_queue import faults
 from dflash_queue.engines.base import ExtractEngine, ExtractionRequest
-from dflash_queue.engines.state_checks import CanaryTolerance, StateDifference, check_canary
+from dflash_queue.engines.state_checks import CanaryMismatch, CanaryTolerance, StateDifference, check_canary
+
+log = logging.getLogger(__name__)
 
 # Verdicts: every canary sample matched, and at least one of them followed another sequence in its pass (where a
 # leak would show); or they matched but none did, so a leak between sequences could not have shown.
@@ -71,6 +80,11 @@ class CanaryOutcome:
     window: bool  # a sequence longer than the model's window or chunk was checked
 
 
+# Runs the shard's samples through the engine again as its task ran them, handing each one's states (shard index,
+# [T, K, H]) to the callback once the lane has stored them in place of the first pass's.
+Recompute = Callable[[Callable[[int, torch.Tensor], None]], None]
+
+
 def window_canary_due(shard_id: str, every: int) -> bool:
     """Whether this shard's canary also checks a sequence longer than the model's window (one shard in `every`,
     drawn from the shard id, so a re-delivery does the same)."""
@@ -88,19 +102,29 @@ def run_canary(
     layer_names: Sequence[str],
     tolerance: CanaryTolerance,
     window_every: int,
+    recompute: Recompute | None = None,
 ) -> CanaryOutcome | None:
-    """Recompute the chosen samples alone and compare (raises CanaryMismatch above the tolerance); on the shards
-    `window_canary_due` picks, also a sequence longer than the model's window, after another one in one pass."""
+    """Recompute the chosen samples alone and compare (raises CanaryMismatch above the tolerance; after a re-check
+    through `recompute` when given); on the shards `window_canary_due` picks, also a sequence longer than the
+    model's window, after another one in one pass."""
     if not chosen:
         return None
-    checked: list[tuple[str, StateDifference, int]] = []
-    for index, states, position in chosen:
-        request = requests[index]
-        checked.append((request.sample_id, _check_alone(engine, request, states, layer_names, tolerance), position))
+    rechecks: list[dict[str, Any]] = []
+    compared = _compare_alone(engine, requests, chosen, layer_names, tolerance)
+    if isinstance(compared, CanaryMismatch):
+        if recompute is None:
+            raise compared
+        compared, recheck = _recheck(engine, requests, chosen, layer_names, tolerance, recompute, compared)
+        rechecks.append(recheck)
+    checked = [
+        (requests[index].sample_id, difference, position) for (index, _, position), difference in zip(chosen, compared)
+    ]
     window = None
     if engine.coverage_length() and window_canary_due(shard_id, window_every):
         window = _window_canary(engine, shard_id, [requests[i] for i in ok], layer_names, tolerance)
         checked.append((window["sample"], window.pop("difference"), window["position"]))
+        if "recheck" in window:
+            rechecks.append(window["recheck"])
     differences = [d for _, d, _ in checked]
     per_layer = [max(d.relative[k] for d in differences) for k in range(len(layer_names))]
     followers = sum(1 for _, _, position in checked if position > 0)
@@ -116,7 +140,58 @@ def run_canary(
     }
     if window is not None:
         record["window"] = window
+    if rechecks:
+        record["rechecks"] = rechecks
     return CanaryOutcome(record, len(checked), max(per_layer), not followers, window is not None)
+
+
+def _compare_alone(
+    engine: ExtractEngine,
+    requests: Sequence[ExtractionRequest],
+    chosen: Sequence[tuple[int, torch.Tensor, int]],
+    layer_names: Sequence[str],
+    tolerance: CanaryTolerance,
+) -> list[StateDifference] | CanaryMismatch:
+    """Each chosen sample's states against it alone, up to the first mismatch (returned, not raised)."""
+    differences = []
+    for index, states, _ in chosen:
+        try:
+            differences.append(_check_alone(engine, requests[index], states, layer_names, tolerance))
+        except CanaryMismatch as mismatch:
+            return mismatch
+    return differences
+
+
+def _recheck(
+    engine: ExtractEngine,
+    requests: Sequence[ExtractionRequest],
+    chosen: Sequence[tuple[int, torch.Tensor, int]],
+    layer_names: Sequence[str],
+    tolerance: CanaryTolerance,
+    recompute: Recompute,
+    first: CanaryMismatch,
+) -> tuple[list[StateDifference], dict[str, Any]]:
+    """Both sides again after `first`: the shard's pass (whose states the lane stores in place of the first
+    pass's) and each chosen sample alone. Raises CanaryMismatch when a mismatch recurs."""
+    wanted = {index for index, _, _ in chosen}
+    again: dict[int, torch.Tensor] = {}
+
+    def keep(index: int, states: torch.Tensor) -> None:
+        if index in wanted:
+            again[index] = states.clone()  # a copy: a view would keep its whole pass's states alive
+
+    recompute(keep)
+    missing = [requests[i].sample_id for i in sorted(wanted - set(again))]
+    if missing:
+        raise CanaryMismatch(f"{first}; its recomputation handed back no states for {', '.join(missing)}")
+    rechecked = [(index, again[index], position) for index, _, position in chosen]
+    compared = _compare_alone(engine, requests, rechecked, layer_names, tolerance)
+    if isinstance(compared, CanaryMismatch):
+        raise CanaryMismatch(f"{compared} (checked twice, both sides recomputed)") from first
+    worst = max(d.worst for d in compared)
+    log.warning("%s; not again with the shard's pass and the sample alone recomputed (worst %.2e): a one-off, the "
+                "shard is stored with the recomputed pass's states", first, worst)
+    return compared, {"first": str(first), "again": worst}
 
 
 def _check_alone(
@@ -140,7 +215,8 @@ def _window_canary(
     tolerance: CanaryTolerance,
 ) -> dict[str, Any]:
     """A sequence longer than the model's window or chunk: the shortest of the shard's that is, else the shard's
-    sequences joined until one is; run after the shard's shortest sequence in one pass, then alone."""
+    sequences joined until one is; run after the shard's shortest sequence in one pass, then alone (both again
+    after a mismatch)."""
     reach = engine.coverage_length()
     long_enough = sorted((r for r in requests if len(r.input_ids) > reach), key=lambda r: len(r.input_ids))
     if long_enough:
@@ -155,10 +231,21 @@ def _window_canary(
     target = ExtractionRequest(f"{shard_id}:window", ids)
     before = min(requests, key=lambda r: len(r.input_ids))
     together = [before, target] if len(before.input_ids) + len(ids) <= engine.pass_tokens else [target]
-    results = engine.run_together(together, faults=faults.extract_faults() or None)
     position = len(together) - 1
-    difference = _check_alone(engine, target, results[position].states, layer_names, tolerance)
-    return {
+
+    def in_a_pass() -> torch.Tensor:
+        return engine.run_together(together, faults=faults.extract_faults() or None)[position].states
+
+    recheck = None
+    try:
+        difference = _check_alone(engine, target, in_a_pass(), layer_names, tolerance)
+    except CanaryMismatch as first:
+        try:
+            difference = _check_alone(engine, target, in_a_pass(), layer_names, tolerance)
+        except CanaryMismatch as again:
+            raise CanaryMismatch(f"{again} (checked twice, both sides recomputed)") from first
+        recheck = {"first": str(first), "again": difference.worst}
+    window: dict[str, Any] = {
         "sample": target.sample_id,
         "tokens": len(ids),
         "reach": reach,
@@ -167,6 +254,9 @@ def _window_canary(
         "head_error": difference.worst_head,
         "difference": difference,
     }
+    if recheck is not None:
+        window["recheck"] = recheck
+    return window
 
 
 def canary_notes(untestable: int, window: int) -> str:

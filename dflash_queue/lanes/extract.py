@@ -17,7 +17,9 @@ either stored whole or computed again.
 Every shard is checked before it is written (see engines/state_checks.py): `extract.canary_samples` samples,
 chosen from the shard id, are recomputed alone (through the model's own attention, or as a batch of one through
 the vLLM engine) and compared with their states from the shared pass, and every sample's layers are checked for states no forward pass gives. Either failing fails the task
-for good: its dead letter names the sample, the layer and the error, and nothing wrong is stored.
+for good: its dead letter names the sample, the layer and the error, and nothing wrong is stored. A canary
+mismatch is first checked again with both sides recomputed (the shard's pass, stored over the first one, and the
+sample alone): a one-off flake does not cost the shard.
 """
 
 from __future__ import annotations
@@ -195,6 +197,17 @@ class ExtractLane:
                     summaries[index] = captured.summary
                     picker.offer(index, captured.states, captured.pass_position)
 
+                def recompute(keep: Callable[[int, torch.Tensor], None]) -> None:
+                    """The canary's re-check: the shard's pass again, its states stored over the first pass's."""
+
+                    def again(position: int, captured: CapturedStates) -> None:
+                        index = ok[position]
+                        writer.write(index, captured.states, captured.summary, replace=True)
+                        summaries[index] = captured.summary
+                        keep(index, captured.states)
+
+                    self._capture([requests[i] for i in ok], again, shard_id=shard_id)
+
                 with self._compute_slot(shard_id):
                     capture = functools.partial(self._capture, shard_id=shard_id)
                     isolated = run_isolating_streamed(requests, capture, [r.sample_id for r in requests], deliver)
@@ -202,7 +215,7 @@ class ExtractLane:
                     ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # whole or dead
                     canary = run_canary(
                         self.extractor, shard_id, requests, picker.chosen(ok), ok, self.layer_names,
-                        self._canary_tolerance(), self.config.extract.canary_window_every,
+                        self._canary_tolerance(), self.config.extract.canary_window_every, recompute,
                     )
                 check_plausible(
                     [requests[i].sample_id for i in ok],

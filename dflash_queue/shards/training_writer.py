@@ -173,18 +173,21 @@ class TrainingShardWriter:
     def data_start(self) -> int:
         return 8 + self.header_bytes
 
-    def write(self, index: int, hidden_states: torch.Tensor, summary: torch.Tensor | None) -> None:
-        """Store one row's states, converted to the shard's dtype. `summary` is what the engine checked them with
-        ([K, 3]: largest, smallest value, median token RMS per layer; see `check_summary`): the states are
-        trusted as checked and not read again before they are written (their shape is checked)."""
+    def write(
+        self, index: int, hidden_states: torch.Tensor, summary: torch.Tensor | None, *, replace: bool = False
+    ) -> None:
+        """Store one row's states, converted to the shard's dtype; `replace` writes over a row written already.
+        `summary` is what the engine checked them with ([K, 3]: largest, smallest value, median token RMS per
+        layer; see `check_summary`): the states are trusted as checked and not read again before they are written
+        (their shape is checked)."""
         row = self.rows[index]
         check_shape(row.id, row.num_tokens, hidden_states, self.info)
         check_summary(row.id, summary, self.info)
-        self._store(index, hidden_states)
+        self._store(index, hidden_states, replace=replace)
 
-    def _store(self, index: int, hidden_states: torch.Tensor) -> None:
+    def _store(self, index: int, hidden_states: torch.Tensor, *, replace: bool = False) -> None:
         row = self.rows[index]
-        if index in self._written:
+        if index in self._written and not replace:
             raise ShardFormatError(f"sample {row.id}: row {index} written twice")
         start = self._starts[index]
         if self.info.dtype == FP8_NAME:

@@ -101,7 +101,7 @@ def test_either_lane_on_vllm_needs_vllm_and_reserves_gpu_memory(make_config, mon
     assert memory_utilization(config) == 0.95  # generate runs on Transformers here
     assert memory_utilization(make_config("hf.toml")) == 0.9  # generate.vllm's default, no lane on vLLM
     busy = GpuInfo(0, "NVIDIA H200", (9, 0), 140 * GIB, 120 * GIB)  # 120 GiB free < 0.95 x 140
-    checks = {c.name: c for c in run_doctor(config, gpu_reader=lambda: ([busy], ["sm_90"], "12.8"))}
+    checks = {c.name: c for c in run_doctor(config, gpu_reader=lambda: ([busy], ["sm_90"], "12.8"), start_engine=False)}
     assert checks["gpu 0 memory"].verdict == "fail"  # the vLLM extract engine reserves its share at start
     assert checks["extract tensor parallel"].verdict == "pass"
     monkeypatch.setattr("dflash_queue.doctor.versions.distribution_of", lambda module: None)

@@ -1,0 +1,58 @@
+"""The vLLM extract engine started as a worker starts it, for `doctor`: its canary calibrated, and its states of a
+probe compared with the checkpoint's own Transformers forward (engines/reference_check.py), which it refuses to
+start beyond the dtype's rounding. Only when extract.engine = "vllm" and the checkpoint's weights are on this
+node; it takes what a worker's engine takes (its GPUs, its memory), so `doctor --skip-engine-start` leaves it out
+on a node whose workers already hold them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash_queue.config import Config
+from dflash_queue.doctor.result import Check
+
+NAME = "extract engine states"
+
+
+def has_weights(model_path: str) -> bool:
+    path = Path(model_path)
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+def check_extract_states(config: Config, start: Callable[[Config], Any] | None = None) -> Check | None:
+    """The engine started (`start`, the vLLM extract engine by default) and closed again; None without weights."""
+    if config.extract.engine != "vllm" or not has_weights(config.model.path):
+        return None
+    if start is None:
+        from dflash_queue.engines.vllm_extract import VllmStateExtractor
+
+        start = VllmStateExtractor
+    from dflash_queue.errors import UnsupportedArchitecture
+
+    try:
+        engine = start(config)
+    except UnsupportedArchitecture as exc:
+        return Check.failed(NAME, str(exc))
+    except Exception as exc:
+        return Check.failed(NAME, f"the vLLM extract engine did not start: {type(exc).__name__}: {exc}")
+    try:
+        return Check.passed(NAME, describe_engine(engine))
+    finally:
+        engine.close()
+
+
+def describe_engine(engine: Any) -> str:
+    """What a started vLLM extract engine found at load: its states against the checkpoint's own forward, and the
+    canary's calibrated tolerance."""
+    tolerance = engine.canary_tolerance()
+    reference = engine.reference
+    compared = (
+        f"as the checkpoint's own: {reference.describe()}" if reference is not None
+        else "not compared with the checkpoint's own forward (extract.vllm.reference_layers = 0)"
+    )
+    return (
+        f"{compared}; canary tolerance {tolerance.whole:.2e} (probe sequences batched vs alone: "
+        f"{engine.calibrated_noise:.2e} at most)"
+    )
