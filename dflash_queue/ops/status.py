@@ -24,6 +24,7 @@ from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.liveness import Liveness
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.redaction import redact
+from dflash_queue.server_waits import ServersDown, ServerWaits
 from dflash_queue.shards.keys import stored_shard_ids
 from dflash_queue.storage import open_storage
 
@@ -89,6 +90,8 @@ class RunStatus:
     storage_error: str | None = None
     # A run trained while it extracts: epoch, window, consumers (None when none of it applies).
     live: LiveStatus | None = None
+    # Generate workers waiting because every inference server they were given is down.
+    servers_down: list[ServersDown] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -175,6 +178,7 @@ def collect_status(
         depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
         live = collect_live(client, config, now=now)
         held = Liveness(client, config.run.name, config.broker.worker_liveness_s).held_by_dead()
+        servers_down = ServerWaits(client, config.run.name).all()
     finally:
         client.close()
     stored, storage_error = stored_shards(config)
@@ -252,6 +256,7 @@ def collect_status(
         shards_missing=missing,
         storage_error=storage_error,
         live=live,
+        servers_down=servers_down,
     )
 
 

@@ -52,6 +52,7 @@ def status_table(status: RunStatus) -> Group:
         notes.append(Text(f"storage {status.storage} not checked ({status.storage_error}): done as the ledger says"))
     if status.live is not None:
         notes.extend(_live_lines(status.live))
+    notes.extend(Text(waiting.describe(status.time), style="yellow") for waiting in status.servers_down)
     if status.finished:
         footer = Text("run finished: every shard has passed every lane", style="green")
     elif not any(lane.shards_total for lane in status.lanes.values()):
