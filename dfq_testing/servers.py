@@ -72,7 +72,6 @@ class VllmServer:
             "--enforce-eager",
             "--no-enable-chunked-prefill",
             "--kv-cache-memory-bytes", str(2**30),
-            "--disable-log-stats",
         ]  # fmt: skip
 
     def start(self, *, wait: bool = True) -> VllmServer:
