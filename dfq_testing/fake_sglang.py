@@ -162,7 +162,8 @@ class FakeSglang:
             web.post("/tokenize", self._tokenize),
             web.get("/health", self._health),
         ])
-        self._runner = web.AppRunner(app)
+        # Stopping drops requests in flight at once, as a server that is killed does.
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True).start()
 
