@@ -48,10 +48,12 @@ class VllmServer:
         max_num_seqs: int = 32,
         cpu: str | None = None,
         port: int | None = None,
+        extra_args: tuple[str, ...] = (),
     ) -> None:
         self.model, self.log = model, log
         self.served_name, self.max_model_len, self.max_num_seqs = served_name, max_model_len, max_num_seqs
         self.cpu = cpu
+        self.extra_args = extra_args
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
 
@@ -72,6 +74,7 @@ class VllmServer:
             "--enforce-eager",
             "--no-enable-chunked-prefill",
             "--kv-cache-memory-bytes", str(2**30),
+            *self.extra_args,
         ]  # fmt: skip
 
     def start(self, *, wait: bool = True) -> VllmServer:

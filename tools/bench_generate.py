@@ -295,13 +295,16 @@ def direct_client(
 
 
 def bench_server(args: argparse.Namespace, model: Path, tmp: Path, redis_url: str, dataset: Path) -> None:
-    """(d) a plain client and (e) the lane's server engine against one `vllm serve` of `model`."""
+    """(d) a plain client and (e) the lane's server engine against one `vllm serve` of `model`, in `--rounds`
+    rounds that alternate which goes first (a busy machine's load drifts); the ratio is of the summed rates."""
+    # Prefix caching off: every run prefills every prompt, however many ran before it.
     server = VllmServer(model, tmp / "server.log", served_name="bench", max_model_len=4096,
-                        max_num_seqs=args.max_num_seqs).start()
-    try:
-        tables = tiny_config_tables(model, tmp / "lane" / "storage", redis_url, tmp / "lane" / "state")
+                        max_num_seqs=args.max_num_seqs, extra_args=("--no-enable-prefix-caching",)).start()
+
+    def lane_config(name: str) -> Config:
+        tables = tiny_config_tables(model, tmp / name / "storage", redis_url, tmp / name / "state")
         overrides = {
-            "run": {"name": "lane", "state_dir": str(tmp / "lane" / "state")},
+            "run": {"name": name, "state_dir": str(tmp / name / "state")},
             "dataset": {"shard_size": args.shard_size, "thinking": "always", "max_model_len": 4096},
             "generate": {"engine": "server"},
             "generate.server": {"urls": [server.url], "model": "bench", "requests_in_flight": args.requests_in_flight,
@@ -309,34 +312,56 @@ def bench_server(args: argparse.Namespace, model: Path, tmp: Path, redis_url: st
             "generate.sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": args.max_tokens},
             "quality": GATE_OFF,
         }
-        config = load_config(write_config(tmp / "lane.toml", tables, **overrides))
-        # Warm the server up (its first steps are slower) before either is timed.
-        warmup = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)][:64]
-        direct_client(server.url, "bench", config, warmup, args.requests_in_flight)
-        lane_replies, lane_s, staged = through_queue(config, dataset, args.inflight, tmp / "e.log")
-        direct_replies, direct_s = direct_client(server.url, "bench", config, staged, args.requests_in_flight)
+        return load_config(write_config(tmp / f"{name}.toml", tables, **overrides))
+
+    times: dict[str, list[float]] = {"d": [], "e": []}
+    replies: dict[str, list[dict[str, list[int]]]] = {"d": [], "e": []}
+    try:
+        # The dataset's samples (thinking on, as the policy "always" stages them; checked by the replies agreeing
+        # with the lane's), and a warm-up of the server, before anything is timed.
+        staged = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
+        direct_client(server.url, "bench", lane_config("warmup"), staged[:64], args.requests_in_flight)
+        for round_index in range(args.rounds):
+            for run in ("de" if round_index % 2 == 0 else "ed"):
+                if run == "d":
+                    got, seconds = direct_client(server.url, "bench", lane_config("direct"), staged,
+                                                 args.requests_in_flight)
+                else:
+                    got, seconds, staged = through_queue(
+                        lane_config(f"lane-{round_index}"), dataset, args.inflight, tmp / f"e-{round_index}.log"
+                    )
+                times[run].append(seconds)
+                replies[run].append(got)
     finally:
         server.stop()
-    direct_tokens = sum(len(reply) for reply in direct_replies.values())
-    lane_tokens = sum(len(reply) for reply in lane_replies.values())
-    lengths = sorted(len(reply) for reply in direct_replies.values())
+    reference = replies["d"][0]
+    tokens = sum(len(reply) for reply in reference.values())
+    lengths = sorted(len(reply) for reply in reference.values())
     print(
-        f"job: {len(staged)} prompts in shards of {args.shard_size}; one vllm serve, max_num_seqs {args.max_num_seqs}; "
-        f"{args.requests_in_flight} requests in flight; reply lengths mean {statistics.mean(lengths):.0f}, "
-        f"p50 {lengths[len(lengths) // 2]}, max {lengths[-1]} tokens"
+        f"job: {len(reference)} prompts in shards of {args.shard_size}; one vllm serve, max_num_seqs "
+        f"{args.max_num_seqs}; {args.requests_in_flight} requests in flight; reply lengths mean "
+        f"{statistics.mean(lengths):.0f}, p50 {lengths[len(lengths) // 2]}, max {lengths[-1]} tokens; "
+        f"{tokens} output tokens per run"
     )
-    rates = {"d": direct_tokens / direct_s, "e": lane_tokens / lane_s}
-    print(f"(d) plain client, straight to the server:            {direct_s:7.2f} s  {rates['d']:8.0f} tok/s")
-    print(f"(e) lane, server-engine worker, {args.inflight} tasks in flight:  {lane_s:7.2f} s  {rates['e']:8.0f} tok/s")
+    for round_index in range(args.rounds):
+        d, e = times["d"][round_index], times["e"][round_index]
+        first = "d" if round_index % 2 == 0 else "e"
+        print(f"round {round_index + 1} ({first} first): (d) {d:7.2f} s {tokens / d:7.0f} tok/s   "
+              f"(e) {e:7.2f} s {tokens / e:7.0f} tok/s   e/d = {d / e:.3f}")
+    rates = {run: len(seconds) * tokens / sum(seconds) for run, seconds in times.items()}
+    print(f"(d) plain client, straight to the server:            {rates['d']:8.0f} tok/s")
+    print(f"(e) lane, server-engine worker, {args.inflight} tasks in flight:  {rates['e']:8.0f} tok/s")
     print("    (e): from enqueue to every shard generated, through Redis; extraction not run")
     print(f"e/d = {rates['e'] / rates['d']:.3f}  (target >= 0.95)")
-    differ = [i for i in direct_replies if lane_replies.get(i) != direct_replies[i]]
-    if differ or len(lane_replies) != len(direct_replies):
-        raise SystemExit(
-            f"(e) did other work than (d): {len(differ)} of {len(direct_replies)} replies differ "
-            f"({len(lane_replies)} stored); the ratio would not compare like with like"
-        )
-    print("same replies in both, token for token")
+    for run, runs in replies.items():
+        for got in runs:
+            differ = [i for i in reference if got.get(i) != reference[i]]
+            if differ or len(got) != len(reference):
+                raise SystemExit(
+                    f"a run of ({run}) did other work: {len(differ)} of {len(reference)} replies differ "
+                    f"({len(got)} stored); the ratio would not compare like with like"
+                )
+    print("same replies in every run, token for token")
 
 
 def main() -> None:
@@ -347,6 +372,7 @@ def main() -> None:
                         help="vllm: (a), (b), (c); server: (d), (e) against one vllm serve")
     parser.add_argument("--inflight", type=int, default=3, help="tasks in flight for (b) and (e)")
     parser.add_argument("--requests-in-flight", type=int, default=64, help="requests outstanding for (d) and (e)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (d) and (e), alternating which goes first")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=768, help="cap on reply length (rarely reached)")
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3-long-tail")

@@ -114,7 +114,8 @@ class ServerPool:
         return [server for server in self.servers if server.up]
 
     def begin_shutdown(self) -> None:
-        """Requests still waiting for a server give up (WorkerShuttingDown: their task goes back to the queue)."""
+        """Requests waiting for a server, now or later, give up (WorkerShuttingDown: their task goes back to the
+        queue); while a server is up, requests go on as before (the running tasks finish)."""
         self._closing = True
         asyncio.get_running_loop().create_task(self._notify())
 
@@ -266,11 +267,11 @@ class ServerPool:
 
     async def _pick(self) -> Server:
         while True:
-            if self._closing:
-                raise WorkerShuttingDown("the worker is stopping while every inference server is down")
             up = [server for server in self.servers if server.up]
             if up:
                 return min(up, key=lambda s: (s.outstanding, s.sent))
+            if self._closing:
+                raise WorkerShuttingDown("the worker is stopping while every inference server is down")
             if not self._waiting_logged:
                 self._waiting_logged = True
                 log.warning(
