@@ -192,7 +192,9 @@ class ServerGenerateEngine:
         seed = request_seed(self.sampling.seed, request.sample_id, request.attempt)
 
         def body(request_id: str) -> dict:
-            params = GenerationParams(list(request.prompt_ids), max_tokens, seed, f"{self._ids}-{request_id}")
+            params = GenerationParams(
+                list(request.prompt_ids), max_tokens, seed, f"{self._ids}-{request_id}-{request.sample_id}"
+            )
             return self.protocol.generation_body(self.target.model, self.sampling, params)
 
         sent = GenerationParams(list(request.prompt_ids), max_tokens, seed, "")

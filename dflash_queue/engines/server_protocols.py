@@ -109,8 +109,6 @@ def server_words(body: Any) -> str:
     return str(body)[:1000]
 
 
-
-
 class OpenAICompletions(ServerProtocol):
     """/v1/completions in vLLM's shape, with only the OpenAI API's sampling keys."""
 
