@@ -134,7 +134,16 @@ class Config(Section):
             },
             # Only present when set, so that configs without them keep the fingerprint they had.
             **{f"{lane}.vllm.engine_args": args for lane, args in self.engine_output_args().items()},
+            # The model the inference servers must serve: a worker pointed at servers of another model (by its
+            # config) refuses the run's tasks; start-up checks that the servers serve what the config says.
+            **({"generate.server.model": self.served_model_name} if self.generate.engine == "server" else {}),
         }
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name the generate lane's inference servers serve: generate.server.model, else model.name,
+        else the model directory's name."""
+        return self.generate.server.model or self.model.display_name
 
     def engine_output_args(self) -> dict[str, dict[str, Any]]:
         """Per lane whose engine is vLLM, the engine_args that may change its outputs (speculative decoding,
@@ -240,6 +249,10 @@ def _resolve_paths(raw: dict[str, Any], base: Path) -> None:
     resolve("run", "state_dir")
     resolve("flower", "db")
     resolve("broker", "password_file")
+    generate = raw.get("generate")
+    server = generate.get("server") if isinstance(generate, dict) else None
+    if isinstance(server, dict) and isinstance(server.get("api_key_file"), str) and server["api_key_file"]:
+        server["api_key_file"] = str((base / Path(server["api_key_file"]).expanduser()).resolve())
     storage = raw.get("storage")
     uploader = storage.get("uploader") if isinstance(storage, dict) else None
     if isinstance(uploader, dict) and isinstance(uploader.get("staging_dir"), str) and uploader["staging_dir"]:
@@ -266,6 +279,15 @@ def _reject_credentials(raw: dict[str, Any], source: str) -> None:
             walk(value, dotted)
 
     walk(raw.get("storage"), "storage")
+    generate = raw.get("generate")
+    server = generate.get("server") if isinstance(generate, dict) else None
+    for key in server if isinstance(server, dict) else ():
+        if _CREDENTIAL_KEY.search(str(key)) and key not in ("api_key_file", "api_key_env"):
+            raise ConfigError(
+                f"{source}: invalid configuration\n  generate.server.{key}: the servers' API key is never read from "
+                "the config file; name a file holding it in generate.server.api_key_file, or an environment "
+                "variable in generate.server.api_key_env"
+            )
     broker = raw.get("broker")
     for key in broker if isinstance(broker, dict) else ():
         if _CREDENTIAL_KEY.search(str(key)) and key != "password_file":

@@ -18,6 +18,7 @@ from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.redis_server import RedisServer
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
+from dfq_testing.servers import VllmServers
 from dfq_testing.tiny_model import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,6 +47,15 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
+    """`vllm serve` processes of the tiny model on loopback (at most two a session, each started when a test first
+    asks for it: `vllm_servers.get(0)`), shared by the inference-server engine's tests."""
+    servers = VllmServers(tiny_model, tmp_path_factory.mktemp("vllm-servers"))
+    yield servers
+    servers.stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,7 @@ def test_config_objects_are_frozen(tmp_path, model_dir):
          "must exceed generate.sampling.max_tokens (200)"),
         ({"dataset": {"max_model_len": 1024}, "generate.sampling": {"max_tokens": 2048}}, "dataset.max_model_len",
          "leaves no room for a prompt"),
-        ({"generate": {"engine": "sglang"}}, "generate.engine", "'transformers' or 'vllm'"),
+        ({"generate": {"engine": "sglang"}}, "generate.engine", "'transformers', 'vllm' or 'server'"),
         ({"generate.vllm": {"tensor_parallel": 2}}, "generate.vllm.tensor_parallel", "unknown key"),
         ({"generate.vllm": {"gpu_memory_utilization": 1.5}}, "generate.vllm.gpu_memory_utilization", "less than or equal"),
         ({"generate.vllm": {"inflight_tasks": 0}}, "generate.vllm.inflight_tasks", "greater than 0"),

@@ -13,17 +13,30 @@ once and keep it, as (a) does; (a) renders the prompts from the samples as the p
 thinking policy applied). The bench reads every completions shard back and exits with an error unless (b) and
 (c) hold the replies of (a), token for token.
 
+With `--engine server` it measures the inference-server engine instead, against one `vllm serve` process of the
+same model (started by the bench), in one run:
+
+  (d) direct: a plain aiohttp client sending every prompt's ids straight to the server's /v1/completions, with
+      `--requests-in-flight` requests outstanding at once;
+  (e) lane: a real `dflash-queue worker generate` on the server engine (`generate.server.requests_in_flight` the
+      same, `--inflight` tasks), fed through Redis, timed from enqueue until every shard is generated.
+
+Both send the same prompts with the same per-request seeds and must store the same replies, token for token; it
+prints tokens/s of each and e/d (target >= 0.95).
+
 Reply lengths are heavy-tailed like thinking output (median ~35, mean ~165, p99 at the cap): the benchmark's model
 (`build_long_tail_model`) ends a reply at temperature 1 with probability ~2% per token, or, with a smaller chance
 per token, starts repeating one token and then runs to the cap. Engines are started before timing. Prints output
 tokens/s for each and the ratios b/a (target >= 0.9) and b/c (> 1).
 
     .venv/bin/python tools/bench_generate.py [--samples 1024] [--shard-size 64] [--inflight 3]
+    .venv/bin/python tools/bench_generate.py --engine server [--requests-in-flight 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -44,7 +57,12 @@ from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.engines.base import GenerationRequest  # noqa: E402
 from dflash_queue.engines.chat import ChatFormatter  # noqa: E402
-from dflash_queue.engines.vllm_generate import engine_args, prepare_environment, sampling_kwargs  # noqa: E402
+from dflash_queue.engines.vllm_generate import (  # noqa: E402
+    engine_args,
+    prepare_environment,
+    request_seed,
+    sampling_kwargs,
+)
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
 from dflash_queue.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
@@ -57,6 +75,7 @@ from dflash_queue.shards.prompts import decode_prompts  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
 from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config  # noqa: E402
 from dfq_testing.polling import wait_for_states  # noqa: E402
+from dfq_testing.servers import VllmServer  # noqa: E402
 from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
 LONG_TAIL_VERSION = 1
@@ -232,11 +251,128 @@ def offline(config: Config, samples: list[Sample]) -> tuple[dict[str, list[int]]
     return {s.id: list(o.outputs[0].token_ids) for s, o in zip(samples, outputs)}, elapsed
 
 
+def direct_client(
+    server_url: str, model: str, config: Config, samples: list[Sample], requests_in_flight: int
+) -> tuple[dict[str, list[int]], float]:
+    """(replies by sample id, seconds) of a plain aiohttp client sending every prompt to the server at once,
+    `requests_in_flight` outstanding; the same request bodies the server engine sends (same seeds)."""
+    import aiohttp
+    from transformers import AutoTokenizer
+
+    from dflash_queue.engines.server_protocols import GenerationParams, VllmCompletions
+
+    formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
+    sampling = config.generate.sampling
+    bodies = {
+        s.id: VllmCompletions().generation_body(
+            model,
+            sampling,
+            GenerationParams(
+                formatter.prompt_ids(split_turns(s)[0], enable_thinking=s.thinking, tools=s.tools),
+                sampling.max_tokens,
+                request_seed(sampling.seed, s.id),
+                f"direct-{s.id}",
+            ),
+        )
+        for s in samples
+    }
+
+    async def run() -> dict[str, list[int]]:
+        slots = asyncio.Semaphore(requests_in_flight)
+        connector = aiohttp.TCPConnector(limit=requests_in_flight)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+
+            async def one(sample_id: str, body: dict) -> tuple[str, list[int]]:
+                async with slots, session.post(server_url + "/v1/completions", json=body) as answer:
+                    answer.raise_for_status()
+                    return sample_id, (await answer.json())["choices"][0]["token_ids"]
+
+            return dict(await asyncio.gather(*(one(i, b) for i, b in bodies.items())))
+
+    started = time.perf_counter()
+    replies = asyncio.run(run())
+    return replies, time.perf_counter() - started
+
+
+def bench_server(args: argparse.Namespace, model: Path, tmp: Path, redis_url: str, dataset: Path) -> None:
+    """(d) a plain client and (e) the lane's server engine against one `vllm serve` of `model`, in `--rounds`
+    rounds that alternate which goes first (a busy machine's load drifts); the ratio is of the summed rates."""
+    # Prefix caching off: every run prefills every prompt, however many ran before it.
+    server = VllmServer(model, tmp / "server.log", served_name="bench", max_model_len=4096,
+                        max_num_seqs=args.max_num_seqs, extra_args=("--no-enable-prefix-caching",)).start()
+
+    def lane_config(name: str) -> Config:
+        tables = tiny_config_tables(model, tmp / name / "storage", redis_url, tmp / name / "state")
+        overrides = {
+            "run": {"name": name, "state_dir": str(tmp / name / "state")},
+            "dataset": {"shard_size": args.shard_size, "thinking": "always", "max_model_len": 4096},
+            "generate": {"engine": "server"},
+            "generate.server": {"urls": [server.url], "model": "bench", "requests_in_flight": args.requests_in_flight,
+                                "inflight_tasks": args.inflight},
+            "generate.sampling": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_tokens": args.max_tokens},
+            "quality": GATE_OFF,
+        }
+        return load_config(write_config(tmp / f"{name}.toml", tables, **overrides))
+
+    times: dict[str, list[float]] = {"d": [], "e": []}
+    replies: dict[str, list[dict[str, list[int]]]] = {"d": [], "e": []}
+    try:
+        # The dataset's samples (thinking on, as the policy "always" stages them; checked by the replies agreeing
+        # with the lane's), and a warm-up of the server, before anything is timed.
+        staged = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
+        direct_client(server.url, "bench", lane_config("warmup"), staged[:64], args.requests_in_flight)
+        for round_index in range(args.rounds):
+            for run in ("de" if round_index % 2 == 0 else "ed"):
+                if run == "d":
+                    got, seconds = direct_client(server.url, "bench", lane_config("direct"), staged,
+                                                 args.requests_in_flight)
+                else:
+                    got, seconds, staged = through_queue(
+                        lane_config(f"lane-{round_index}"), dataset, args.inflight, tmp / f"e-{round_index}.log"
+                    )
+                times[run].append(seconds)
+                replies[run].append(got)
+    finally:
+        server.stop()
+    reference = replies["d"][0]
+    tokens = sum(len(reply) for reply in reference.values())
+    lengths = sorted(len(reply) for reply in reference.values())
+    print(
+        f"job: {len(reference)} prompts in shards of {args.shard_size}; one vllm serve, max_num_seqs "
+        f"{args.max_num_seqs}; {args.requests_in_flight} requests in flight; reply lengths mean "
+        f"{statistics.mean(lengths):.0f}, p50 {lengths[len(lengths) // 2]}, max {lengths[-1]} tokens; "
+        f"{tokens} output tokens per run"
+    )
+    for round_index in range(args.rounds):
+        d, e = times["d"][round_index], times["e"][round_index]
+        first = "d" if round_index % 2 == 0 else "e"
+        print(f"round {round_index + 1} ({first} first): (d) {d:7.2f} s {tokens / d:7.0f} tok/s   "
+              f"(e) {e:7.2f} s {tokens / e:7.0f} tok/s   e/d = {d / e:.3f}")
+    rates = {run: len(seconds) * tokens / sum(seconds) for run, seconds in times.items()}
+    print(f"(d) plain client, straight to the server:            {rates['d']:8.0f} tok/s")
+    print(f"(e) lane, server-engine worker, {args.inflight} tasks in flight:  {rates['e']:8.0f} tok/s")
+    print("    (e): from enqueue to every shard generated, through Redis; extraction not run")
+    print(f"e/d = {rates['e'] / rates['d']:.3f}  (target >= 0.95)")
+    for run, runs in replies.items():
+        for got in runs:
+            differ = [i for i in reference if got.get(i) != reference[i]]
+            if differ or len(got) != len(reference):
+                raise SystemExit(
+                    f"a run of ({run}) did other work: {len(differ)} of {len(reference)} replies differ "
+                    f"({len(got)} stored); the ratio would not compare like with like"
+                )
+    print("same replies in every run, token for token")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--shard-size", type=int, default=64)
-    parser.add_argument("--inflight", type=int, default=3, help="tasks in flight for (b)")
+    parser.add_argument("--engine", choices=("vllm", "server"), default="vllm",
+                        help="vllm: (a), (b), (c); server: (d), (e) against one vllm serve")
+    parser.add_argument("--inflight", type=int, default=3, help="tasks in flight for (b) and (e)")
+    parser.add_argument("--requests-in-flight", type=int, default=64, help="requests outstanding for (d) and (e)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of (d) and (e), alternating which goes first")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=768, help="cap on reply length (rarely reached)")
     parser.add_argument("--model", type=Path, default=REPO / ".cache" / "tiny-qwen3-long-tail")
@@ -255,6 +391,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="dfq-bench-gen-") as tmp_name, RedisServer(Path(tmp_name) / "redis") as redis:
         tmp = Path(tmp_name)
         dataset = make_dataset(args.samples, tmp / "prompts.jsonl")
+        if args.engine == "server":
+            bench_server(args, model, tmp, redis.url, dataset)
+            return
         samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
 
         def config_for(name: str) -> Config:

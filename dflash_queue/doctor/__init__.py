@@ -16,6 +16,7 @@ from dflash_queue.doctor.extract_states import check_extract_states
 from dflash_queue.doctor.gpu import GpuInfo, check_gpus, read_gpus
 from dflash_queue.doctor.model import check_model, check_thinking_template
 from dflash_queue.doctor.result import Check
+from dflash_queue.doctor.servers import check_servers
 from dflash_queue.doctor.speculative import check_speculative
 from dflash_queue.doctor.storage import check_configured_storage
 from dflash_queue.doctor.versions import check_versions
@@ -68,6 +69,7 @@ def run_doctor(
             checks.append(states)
     if speculative_method(config.generate.vllm.engine_args):
         checks += _generate_engine_checks(config)
+    checks += check_servers(config)
     gpus, arch_list, torch_cuda = gpu_reader()
     checks += check_gpus(
         gpus,

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from dflash_queue.engines.vllm_args import EXTRACT_REFUSED, GENERATE_REFUSED, check_engine_args, speculative_method
+from dflash_queue.errors import ConfigError
 from dflash_queue.settings import LayerIds, PositiveFloat, PositiveInt, Section, StrTuple
 
 
@@ -162,13 +167,136 @@ class ExtractVllmConfig(VllmEngineSettings):
         return value
 
 
+ServerKind = Literal["vllm", "sglang", "openai"]
+# Sampling keys outside the OpenAI completions API, with the value that leaves sampling as it is: a server of
+# unknown make (kind "openai") may ignore them silently.
+NON_OPENAI_SAMPLING = {"top_k": (-1, 0), "min_p": (0.0,), "repetition_penalty": (1.0,)}
+
+
+def _check_server_url(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r}: a server's base URL is http://host:port or https://host[:port][/path]")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(
+            "a server URL holds credentials: they would be copied with the config file and shown wherever the URL "
+            "is; put the API key in a file (generate.server.api_key_file) or an environment variable "
+            "(generate.server.api_key_env)"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"{url!r}: a server's base URL takes no query or fragment")
+    return url.rstrip("/")
+
+
+class ServerConfig(Section):
+    """Settings of the generate lane's inference-server engine (`generate.engine = "server"`): the worker loads no
+    model; it sends each prompt's token ids to running inference servers (vLLM's or SGLang's) and keeps the token
+    ids they return. docs/serving-fleet.md says how to point a job at a fleet."""
+
+    urls: StrTuple = ()
+    """Base URLs of the servers (e.g. "http://10.0.0.5:8000"; vLLM's and OpenAI-compatible servers without the
+    /v1). A worker spreads its requests over every server that is up: each new request goes to the one with the
+    fewest of this worker's requests outstanding."""
+    kind: ServerKind = "vllm"
+    """"vllm" (vLLM's OpenAI-compatible server: /v1/completions with token-id prompts and return_token_ids),
+    "sglang" (SGLang's native /generate with input_ids, output_ids) or "openai" (any server answering
+    /v1/completions in vLLM's shape with token ids; only the OpenAI API's sampling keys are sent)."""
+    model: str = ""
+    """The model name the servers serve (vLLM's --served-model-name, SGLang's model path); empty: model.name, else
+    the model directory's name. Checked on every server at start and enters the run's fingerprint."""
+    api_key_file: str = ""
+    """File holding the servers' API key (its first line), sent as `Authorization: Bearer`. Never put the key in
+    the config; relative paths resolve against the config file. Empty (and api_key_env empty): no key."""
+    api_key_env: Annotated[str, Field(pattern=r"^([A-Z_][A-Z0-9_]*)?$")] = ""
+    """Name of the environment variable holding the servers' API key (e.g. "DFQ_SERVER_API_KEY")."""
+    requests_in_flight: PositiveInt = 256
+    """Requests a worker keeps at its servers at once, all servers together. Size it to the servers' batch: at
+    least their max_num_seqs summed, or the servers run part-empty."""
+    inflight_tasks: PositiveInt = 4
+    """Tasks (shards) a worker runs at once. More than one keeps the servers full while a shard's slowest replies
+    finish: the other shards' requests take the freed places."""
+    connect_timeout_s: PositiveFloat = 10.0
+    """How long connecting to a server may take before it counts as down."""
+    request_timeout_s: PositiveFloat = 3600.0
+    """How long one request (a whole reply, the longest thinking included) may take."""
+    max_tries: PositiveInt = 4
+    """Tries of a request that fails on a server that still answers its health check (a 5xx, a timeout, a reply
+    without token ids); after that many the sample alone is dead-lettered with the server's words. Requests that
+    fail because a server is down are not counted: they go to the other servers, or wait for one to come back."""
+    backoff_initial_s: PositiveFloat = 1.0
+    """First wait before a failed request is tried again and before a down server is probed again; doubled after
+    each failure, up to backoff_max_s."""
+    backoff_max_s: PositiveFloat = 30.0
+    """Longest wait between probes of a down server (and between tries of a request)."""
+
+    @field_validator("urls")
+    @classmethod
+    def _base_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_check_server_url(url) for url in urls)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> ServerConfig:
+        if self.api_key_file and self.api_key_env:
+            raise ValueError("set api_key_file or api_key_env, not both")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"urls must be distinct, got {list(self.urls)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(
+                f"backoff_max_s ({self.backoff_max_s}) must be at least backoff_initial_s ({self.backoff_initial_s})"
+            )
+        return self
+
+    def api_key(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The API key, read now from api_key_file or api_key_env; None when neither is set. ConfigError naming
+        the key when the file or variable is missing or empty. The key is never logged or shown."""
+        environ = os.environ if env is None else env
+        if self.api_key_env:
+            key = environ.get(self.api_key_env, "")
+            if not key:
+                raise ConfigError(
+                    f"generate.server.api_key_env: the environment variable {self.api_key_env} is not set or empty"
+                )
+            return key
+        if self.api_key_file:
+            try:
+                lines = Path(self.api_key_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+                raise ConfigError(
+                    f"generate.server.api_key_file: cannot read {self.api_key_file}: {reason}"
+                ) from None
+            if not lines or not lines[0].strip():
+                raise ConfigError(f"generate.server.api_key_file: {self.api_key_file} is empty")
+            return lines[0].strip()
+        return None
+
+
 class GenerateConfig(Section):
-    engine: Literal["transformers", "vllm"] = "transformers"
-    """"transformers" (batched `generate`) or "vllm" (one resident vLLM engine per worker; see generate.vllm)."""
+    engine: Literal["transformers", "vllm", "server"] = "transformers"
+    """"transformers" (batched `generate`), "vllm" (one resident vLLM engine per worker; see generate.vllm) or
+    "server" (no model in the worker: running inference servers generate; see generate.server)."""
     batch_size: PositiveInt = 8
     """Sequences per engine call for the Transformers engine."""
     sampling: SamplingConfig = SamplingConfig()
     vllm: VllmConfig = VllmConfig()
+    server: ServerConfig = ServerConfig()
+
+    @model_validator(mode="after")
+    def _servers_named(self) -> GenerateConfig:
+        if self.engine != "server":
+            return self
+        if not self.server.urls:
+            raise ValueError('generate.server.urls is empty: engine = "server" needs the servers\' base URLs')
+        if self.server.kind == "openai":
+            for key, neutral in NON_OPENAI_SAMPLING.items():
+                value = getattr(self.sampling, key)
+                if value not in neutral:
+                    raise ValueError(
+                        f"generate.sampling.{key} = {value} is not part of the OpenAI completions API, so a server of "
+                        f'kind "openai" may ignore it; set generate.server.kind to "vllm" or "sglang" if the servers '
+                        f"are, or set it to {neutral[0]}"
+                    )
+        return self
 
     @model_validator(mode="after")
     def _budget_fits_context(self) -> GenerateConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer
 
@@ -21,6 +22,9 @@ from dflash_queue.shards.completions import CompletionRecord, decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
+
+if TYPE_CHECKING:
+    from dflash_queue.server_waits import OutageReporter
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class GenerateLane:
     def __init__(self, config: Config, engine: GenerateEngine, storage: Storage | None = None) -> None:
         self.config = config
         self.engine = engine
+        self.outage_reporter: OutageReporter | None = None
         self.storage = storage or open_storage(config.storage)
         tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
         self.formatter = ChatFormatter(tokenizer)
@@ -138,12 +143,29 @@ class GenerateLane:
         faults.check_poison("generate", (s.id for s in samples))
         return self.turns.run(samples)
 
+    def begin_shutdown(self) -> None:
+        """Warm shutdown: an engine that waits for servers lets its waiting tasks go back to the queue."""
+        begin = getattr(self.engine, "begin_shutdown", None)
+        if begin is not None:
+            begin()
+
     def close(self) -> None:
+        if self.outage_reporter is not None:
+            self.outage_reporter.stop()
         self.engine.close()
 
 
 def build_generate_lane(config: Config, storage: Storage | None = None) -> GenerateLane:
-    return GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(config, build_generate_engine(config), storage)
+    outage = getattr(lane.engine, "outage", None)
+    if outage is not None and config.broker.url:
+        # `status` shows a worker whose every inference server is down, and since when.
+        from dflash_queue.ledger import resilient_client
+        from dflash_queue.server_waits import OutageReporter, ServerWaits
+
+        waits = ServerWaits(resilient_client(config.broker.connection_url()), config.run.name)
+        lane.outage_reporter = OutageReporter(outage, waits)
+    return lane
 
 
 def build_generate_engine(config: Config) -> GenerateEngine:
@@ -155,4 +177,9 @@ def build_generate_engine(config: Config) -> GenerateEngine:
         from dflash_queue.engines.vllm_generate import VllmGenerateEngine
 
         return VllmGenerateEngine(config)
+    if config.generate.engine == "server":
+        from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine
+
+        target = ServedTarget(config.served_model_name, config.model.tokenizer_path, config.max_model_len())
+        return ServerGenerateEngine(config.generate.server, config.generate.sampling, target, source=config.source)
     raise ValueError(f"unknown generate engine {config.generate.engine!r}")

@@ -101,7 +101,10 @@ class LaneSpec:
 
 
 def _generate_slots(config: Config) -> int:
-    """The vLLM lane keeps `inflight_tasks` shards feeding one engine; the Transformers engine runs one."""
+    """The vLLM lane keeps `inflight_tasks` shards feeding one engine, the inference-server engine
+    `generate.server.inflight_tasks` feeding its servers; the Transformers engine runs one."""
+    if config.generate.engine == "server":
+        return config.generate.server.inflight_tasks
     return config.generate.vllm.inflight_tasks if config.generate.engine == "vllm" else 1
 
 
@@ -140,6 +143,17 @@ def _extract_warnings(config: Config, slots: int) -> list[str]:
 
 
 def _generate_warnings(config: Config, slots: int) -> list[str]:
+    if config.generate.engine == "server":
+        waiting = (slots - 1) * config.dataset.shard_size
+        wanted = config.generate.server.requests_in_flight
+        if waiting >= wanted:
+            return []
+        return [
+            f"with {slots} tasks in flight of {config.dataset.shard_size} samples each, the other tasks hold "
+            f"{waiting} requests while one task finishes, fewer than generate.server.requests_in_flight ({wanted}): "
+            "the servers will run part-empty at task boundaries; raise generate.server.inflight_tasks or "
+            "dataset.shard_size"
+        ]
     if config.generate.engine != "vllm":
         return []
     waiting = (slots - 1) * config.dataset.shard_size

@@ -26,6 +26,7 @@ from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.liveness import Liveness
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.redaction import redact
+from dflash_queue.server_waits import ServersDown, ServerWaits
 from dflash_queue.shards.keys import stored_shard_ids
 from dflash_queue.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.storage import open_storage
@@ -95,6 +96,8 @@ class RunStatus:
     live: LiveStatus | None = None
     # Workers that stopped because their engine failed its state checks on shard after shard, oldest first.
     stopped_workers: list[StoppedWorker] = field(default_factory=list)
+    # Generate workers waiting because every inference server they were given is down.
+    servers_down: list[ServersDown] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -185,6 +188,7 @@ def collect_status(
         # Only a live worker puts back what a dead one held: with none, nothing says when that work moves again.
         someone_beats = liveness.any_alive()
         stopped = StoppedWorkers(client, config.run.name).all()
+        servers_down = ServerWaits(client, config.run.name).all()
     finally:
         client.close()
     stored, storage_error = stored_shards(config)
@@ -267,6 +271,7 @@ def collect_status(
         storage_error=storage_error,
         live=live,
         stopped_workers=stopped,
+        servers_down=servers_down,
     )
 
 

@@ -61,6 +61,7 @@ def status_table(status: RunStatus) -> Group:
                 style="red",
             )
         )
+    notes.extend(Text(waiting.describe(status.time), style="yellow") for waiting in status.servers_down)
     if status.finished:
         footer = Text("run finished: every shard has passed every lane", style="green")
     elif not any(lane.shards_total for lane in status.lanes.values()):

@@ -1,0 +1,296 @@
+"""A worker's connections to its inference servers: which are up, where each request goes, what a failure means.
+
+Every request goes to the server that is up with the fewest of this worker's requests outstanding, so a slow or
+lost server's share moves to the others. All of it runs on one event loop (engines/loop_thread.py) that every
+task thread of the worker submits to, which keeps the servers full across task boundaries.
+
+What a failure means:
+  * the server cannot serve now (connection refused or reset before an answer, 502/503/504, 408, 429, a refused
+    API key, the model gone): the server is marked down and probed with backoff; the request goes to another
+    server, or waits for one to come back. A request never pays for a server's outage.
+  * the request failed on a server that still answers its health check (a 5xx, a timeout, a reply without token
+    ids): it is tried again with backoff, on the least loaded server; after `max_tries` tries the sample is
+    given up (SampleDependentError: the lane dead-letters it alone with the server's words).
+  * the server refuses the request itself (another 4xx: over its context length, a bad token id): the sample
+    is rejected at once with the server's words.
+A server that comes back is checked again (`admit`: the model it serves) before it gets requests. While every
+server is down the worker waits; `outage()` says since when and why, for `status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+
+from dflash_queue.engines.config import ServerConfig
+from dflash_queue.engines.server_protocols import ReplyError, ServerProtocol, server_words
+from dflash_queue.errors import WorkerShuttingDown
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Statuses that say the server (or the balancer before it) cannot serve now, whatever the request.
+SERVER_DOWN_STATUSES = frozenset({401, 403, 404, 408, 429, 502, 503, 504})
+
+
+class ServerDown(Exception):
+    """The server cannot serve now; not the request's fault."""
+
+
+class RequestFailed(Exception):
+    """The request failed on this server in a way that may be its own (counted against `max_tries`)."""
+
+
+class RequestRejected(Exception):
+    """The server refused the request itself (a 4xx): retrying cannot help."""
+
+    def __init__(self, status: int, words: str) -> None:
+        super().__init__(f"{status}: {words}")
+        self.status = status
+        self.words = words
+
+
+@dataclass(frozen=True)
+class Outage:
+    """Every server is down: since when (wall-clock seconds) and why, per server URL."""
+
+    since: float
+    servers: dict[str, str]
+
+
+@dataclass
+class Server:
+    url: str
+    up: bool = False
+    # Why it is down (empty while up), and since when (wall clock).
+    reason: str = "not checked yet"
+    down_since: float = 0.0
+    outstanding: int = 0
+    sent: int = 0
+    probing: asyncio.Task | None = None
+
+
+# Checks a server that (again) answers: "" when it may serve, else why not.
+Admit = Callable[["ServerPool", Server], Awaitable[str]]
+
+
+class ServerPool:
+    def __init__(self, settings: ServerConfig, protocol: ServerProtocol, admit: Admit, api_key: str | None) -> None:
+        self.settings = settings
+        self.protocol = protocol
+        self.servers = [Server(url) for url in settings.urls]
+        self._admit = admit
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._slots = asyncio.Semaphore(settings.requests_in_flight)
+        self._changed = asyncio.Condition()
+        self._closing = False
+        self._request_ids = itertools.count()
+        self._waiting_logged = False
+
+    # -- life cycle ------------------------------------------------------------------------------------------
+
+    async def start(self) -> list[Server]:
+        """Open the session and check every server at once; returns the servers that are up."""
+        settings = self.settings
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=settings.requests_in_flight + 4 * len(self.servers) + 4),
+            json_serialize=lambda value: orjson.dumps(value).decode(),
+            headers=self._headers,
+        )
+        await asyncio.gather(*(self._check(server) for server in self.servers))
+        for server in self.servers:
+            if not server.up:
+                self._start_probing(server)
+        return [server for server in self.servers if server.up]
+
+    def begin_shutdown(self) -> None:
+        """Requests waiting for a server, now or later, give up (WorkerShuttingDown: their task goes back to the
+        queue); while a server is up, requests go on as before (the running tasks finish)."""
+        self._closing = True
+        asyncio.get_running_loop().create_task(self._notify())
+
+    async def close(self) -> None:
+        self._closing = True
+        await self._notify()
+        probes = [s.probing for s in self.servers if s.probing is not None]
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    # -- state -----------------------------------------------------------------------------------------------
+
+    def outage(self) -> Outage | None:
+        """Every server down: since when and why; None while one is up. Safe to call from any thread."""
+        servers = list(self.servers)
+        if any(server.up for server in servers):
+            return None
+        return Outage(
+            since=min((s.down_since for s in servers if s.down_since), default=time.time()),
+            servers={s.url: s.reason for s in servers},
+        )
+
+    def mark_down(self, server: Server, reason: str) -> None:
+        if server.up:
+            log.warning("inference server %s is down (%s): its requests go to the other servers", server.url, reason)
+            server.down_since = time.time()
+        elif not server.down_since:
+            server.down_since = time.time()
+        server.up, server.reason = False, reason
+        self._start_probing(server)
+
+    async def _mark_up(self, server: Server) -> None:
+        if not server.up:
+            log.info("inference server %s is up", server.url)
+        server.up, server.reason, server.down_since = True, "", 0.0
+        self._waiting_logged = False
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _check(self, server: Server) -> None:
+        """Admit the server (its identity) or mark it down with the reason."""
+        try:
+            problem = await self._admit(self, server)
+        except (ServerDown, RequestFailed, RequestRejected) as exc:
+            problem = str(exc)
+        if problem:
+            self.mark_down(server, problem)
+        else:
+            await self._mark_up(server)
+
+    def _start_probing(self, server: Server) -> None:
+        if self._closing or (server.probing is not None and not server.probing.done()):
+            return
+        server.probing = asyncio.get_running_loop().create_task(self._probe(server))
+
+    async def _probe(self, server: Server) -> None:
+        delay = self.settings.backoff_initial_s
+        while not server.up and not self._closing:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self.settings.backoff_max_s)
+            if await self.healthy(server):
+                await self._check(server)
+
+    async def healthy(self, server: Server) -> bool:
+        """Whether the server answers its health endpoint with 200 (the reason is kept when it does not)."""
+        try:
+            status, body = await self.call(server, "GET", self.protocol.health_path, None,
+                                           timeout=self.settings.connect_timeout_s)
+        except (ServerDown, RequestFailed) as exc:
+            server.reason = str(exc)
+            return False
+        if status != 200:
+            server.reason = f"health check answered {status}: {server_words(body)}"
+            return False
+        return True
+
+    # -- calls -----------------------------------------------------------------------------------------------
+
+    async def call(
+        self, server: Server, method: str, path: str, body: Any, *, timeout: float | None = None
+    ) -> tuple[int, Any]:
+        """(status, decoded JSON or text) of one HTTP call. ServerDown when the server cannot be reached;
+        RequestFailed when the connection broke or timed out after it was made."""
+        assert self._session is not None, "the pool is not started"
+        settings = self.settings
+        timeouts = aiohttp.ClientTimeout(
+            total=timeout or settings.request_timeout_s,
+            sock_connect=settings.connect_timeout_s,
+        )
+        try:
+            async with self._session.request(method, server.url + path, json=body, timeout=timeouts) as response:
+                raw = await response.read()
+                return response.status, _decode(raw)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise ServerDown(f"cannot connect: {_describe(exc)}") from None
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RequestFailed(f"{method} {path} failed: {_describe(exc)}") from None
+
+    async def request(self, path: str, make_body: Callable[[str], dict[str, Any]], parse: Callable[[Any], T]) -> T:
+        """POST `make_body(request_id)` to `path` on the least loaded server that is up and `parse` the 200 reply
+        (a ReplyError counts as a failed try); RequestRejected, or RequestFailed after `max_tries` tries; waits
+        while every server is down. `make_body` is called for each try (a fresh request id)."""
+        tries = 0
+        async with self._slots:
+            while True:
+                server = await self._pick()
+                server.outstanding += 1
+                server.sent += 1
+                try:
+                    request_id = f"dfq-{next(self._request_ids)}"
+                    status, body = await self.call(server, "POST", path, make_body(request_id))
+                    if status == 200:
+                        return parse(body)
+                    failure = self.classify(status, body)
+                except ServerDown as exc:
+                    self.mark_down(server, str(exc))
+                    continue
+                except RequestFailed as exc:
+                    failure = exc
+                except ReplyError as exc:
+                    failure = RequestFailed(str(exc))
+                finally:
+                    server.outstanding -= 1
+                if not await self.healthy(server):
+                    self.mark_down(server, f"{failure}; then {server.reason}")
+                    continue
+                tries += 1
+                if tries >= self.settings.max_tries:
+                    raise RequestFailed(f"{tries} tries failed; the last, on {server.url}: {failure}")
+                await asyncio.sleep(self.backoff_s(tries))
+
+    def classify(self, status: int, body: Any) -> RequestFailed:
+        """A non-200 answer: raises ServerDown or RequestRejected, or returns the RequestFailed to count."""
+        words = server_words(body)
+        if status in SERVER_DOWN_STATUSES:
+            raise ServerDown(f"answered {status}: {words}")
+        if 400 <= status < 500:
+            raise RequestRejected(status, words)
+        return RequestFailed(f"answered {status}: {words}")
+
+    def backoff_s(self, tries: int) -> float:
+        return min(self.settings.backoff_initial_s * 2 ** (tries - 1), self.settings.backoff_max_s)
+
+    async def _pick(self) -> Server:
+        while True:
+            up = [server for server in self.servers if server.up]
+            if up:
+                return min(up, key=lambda s: (s.outstanding, s.sent))
+            if self._closing:
+                raise WorkerShuttingDown("the worker is stopping while every inference server is down")
+            if not self._waiting_logged:
+                self._waiting_logged = True
+                log.warning(
+                    "every inference server is down; requests wait for one to come back: %s",
+                    "; ".join(f"{s.url}: {s.reason}" for s in self.servers),
+                )
+            async with self._changed:
+                await self._changed.wait()
+
+
+def _decode(raw: bytes) -> Any:
+    if not raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", errors="replace")[:2000]
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
