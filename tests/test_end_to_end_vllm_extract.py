@@ -26,7 +26,6 @@ import sys
 import tomllib
 from pathlib import Path
 
-import psutil
 import pytest
 import tomli_w
 import torch
@@ -41,7 +40,7 @@ from dflash_queue.training import ShardDataset
 from dfq_testing.configs import local_copy, tiny_config_tables, write_config
 from dfq_testing.families import FAMILIES, NUM_LAYERS
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
-from dfq_testing.processes import survivors
+from dfq_testing.processes import TreeWatch, describe
 from dfq_testing.references import reference_model, reference_states
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,18 +92,21 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
     dataset_file = tmp_path / "prompts.jsonl"
     lines = (REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:SAMPLES]
     dataset_file.write_text("\n".join(lines) + "\n")
-    engines_before = {p.pid for p in psutil.process_iter(["name"]) if "EngineCore" in (p.info["name"] or "")}
-    run = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(config_path)],
-        capture_output=True, text=True, timeout=900,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    # Every process the run starts (its workers, vLLM's engine processes), even one that leaves its process group.
+    with TreeWatch(process.pid) as tree:
+        stdout, stderr = process.communicate(timeout=900)
+    run = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
     assert "shards:            2 done, 0 failed" in run.stdout
     # `run` stops its workers warmly (SIGTERM): vLLM's processes exit with the extract worker, and the engine's
     # transfer directory in /dev/shm goes with it.
     extract_pid = re.search(r"extract \(pid (\d+)\)", run.stderr).group(1)
-    engines = [p for p in psutil.process_iter(["name"]) if "EngineCore" in (p.info["name"] or "")]
-    assert not survivors([p for p in engines if p.pid not in engines_before], timeout=30)
+    left = tree.survivors(timeout=30)
+    assert not left, describe(left)
     assert not list(Path("/dev/shm").glob(f"dfq-states-*-{extract_pid}-*"))
     assert "canary:            4 samples rerun alone, worst relative error" in run.stdout
     worker_log = (tmp_path / "state-vllm" / "logs" / "extract.log").read_text()
