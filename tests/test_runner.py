@@ -99,6 +99,9 @@ def test_a_second_run_of_the_job_is_refused_at_once_and_a_killed_ones_state_take
     first = in_terminal(command)
     try:
         wait_for_task(first, generate_log)
+        # Its generate worker paused mid-task, so the first run cannot finish while the second one starts.
+        os.killpg(started_processes(tmp_path / "state")["generate worker"], signal.SIGSTOP)
+        assert first.poll() is None, first.communicate()[1][-3000:]
         started = time.monotonic()
         second = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert second.returncode == 1 and time.monotonic() - started < 30, second.stderr[-3000:]

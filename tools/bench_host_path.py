@@ -50,7 +50,7 @@ TARGET_RATIO = 0.5
 FORMS = ("copy", "transformers", "vllm")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--tokens", type=int, default=2000)
@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of every form (median reported)")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if min(args.tokens, args.layers, args.hidden, args.repeats) < 1:
         parser.error("--tokens, --layers, --hidden and --repeats must be >= 1")

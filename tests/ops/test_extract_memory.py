@@ -21,11 +21,16 @@ def test_the_tiny_model_by_hand():
     assert LAYER == 196_992 and TOTAL == 1_575_296
 
 
-def test_vllm_engine_weights_and_cache_per_gpu(make_config, tiny_model):
+def test_vllm_engine_weights_and_cache_per_gpu(make_config, tiny_model, tmp_path):
+    # A checkpoint without an index: the parameters are counted from the config's shapes.
+    unindexed = tmp_path / "unindexed"
+    unindexed.mkdir()
+    shutil.copy(tiny_model / "config.json", unindexed / "config.json")
     config = make_config(
+        model={"path": str(unindexed)},
         extract={"engine": "vllm"}, **{"extract.vllm": {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.5}}
     )
-    memory = extract_memory(config, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=2, gpu_memory_gib=1)
+    memory = extract_memory(config, AutoConfig.from_pretrained(unindexed), gpus_per_worker=2, gpu_memory_gib=1)
     # float32 (model.dtype): 4 bytes a parameter, half the weights on each of the 2 GPUs.
     assert memory.parameters == TOTAL and memory.parameters_source == "config shapes"
     assert memory.weight_bytes == TOTAL * 4 and memory.weight_bytes_per_gpu == TOTAL * 4 / 2 == 3_150_592
@@ -66,6 +71,12 @@ def test_vllm_engine_weights_from_a_checkpoint_index(make_config, tiny_model, tm
     memory = extract_memory(config, AutoConfig.from_pretrained(model), gpus_per_worker=1, gpu_memory_gib=1)
     assert memory.parameters == 2_000_000 and memory.weight_bytes == 4_000_000
     assert memory.parameters_source == "checkpoint index (metadata.total_size / 4 bytes)"
+
+
+def test_the_tiny_models_own_index_counts_what_the_config_shapes_count(make_config, tiny_model):
+    config = make_config(extract={"engine": "vllm"})
+    memory = extract_memory(config, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=1, gpu_memory_gib=1)
+    assert memory.parameters_source.startswith("checkpoint index") and memory.parameters == TOTAL
 
 
 def test_transformers_engine_over_a_group_of_gpus(make_config, tiny_model):

@@ -206,11 +206,11 @@ def dry_run(tmp_path: Path, shape: str) -> dict[str, list[str]]:
 def test_every_command_of_the_gpu_check_parses_with_its_tool(shape, tmp_path):
     assert run(["bash", "-n", "tools/gpu_check.sh"], cwd=REPO)
     commands = dry_run(tmp_path, shape)
-    assert list(commands) == ["install", "environment", "build-dense", "bench-dense", "build-hybrid", "bench-hybrid",
-                              "bench-hybrid-torch", "bench-speculative"]
+    assert list(commands) == ["install", "environment", "build-dense", "bench-dense", "host-path", "build-hybrid",
+                              "bench-hybrid", "bench-hybrid-torch", "bench-speculative"]
     tools = {"bench_extract": load_tool("bench_extract"), "build_random_checkpoint": load_tool(
         "build_random_checkpoint"), "build_gpu_bundle": load_tool("build_gpu_bundle"),
-        "gpu_check_report": load_tool("gpu_check_report")}
+        "gpu_check_report": load_tool("gpu_check_report"), "bench_host_path": load_tool("bench_host_path")}
     for name, words in commands.items():
         if words[0] == "env":
             words = words[2:]
@@ -225,6 +225,8 @@ def test_every_command_of_the_gpu_check_parses_with_its_tool(shape, tmp_path):
             assert args.device == "cuda" and args.dtype == "bfloat16" and args.engines == ["transformers", "vllm"] \
                 or name.startswith("bench-hybrid")
             assert args.reference_samples >= 2 and args.json_file
+        if script == "bench_host_path":
+            assert args.device == "cuda" and args.json
         if script == "build_random_checkpoint":
             check_shape(tools[script], args, shape, name)
 
