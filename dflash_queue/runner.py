@@ -14,7 +14,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
@@ -22,6 +21,7 @@ from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.run_broker import forget_url, private_server, record_url
 from dflash_queue.run_lock import RunLock
+from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 from dflash_queue.staging import EnqueueReport, checked_formatter
 

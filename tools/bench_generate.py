@@ -64,11 +64,11 @@ from dflash_queue.engines.vllm_generate import (  # noqa: E402
     sampling_kwargs,
 )
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
-from dflash_queue.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.runstate.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.shards.completions import decode_completions  # noqa: E402
 from dflash_queue.shards.keys import completions_key, prompts_key  # noqa: E402
 from dflash_queue.shards.prompts import decode_prompts  # noqa: E402

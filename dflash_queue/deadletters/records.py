@@ -130,7 +130,7 @@ class DeadLetters:
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> DeadLetters:
-        from dflash_queue.ledger import resilient_client
+        from dflash_queue.runstate.ledger import resilient_client
 
         return cls(resilient_client(url), run_name)
 

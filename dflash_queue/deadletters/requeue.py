@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.ledger import Ledger
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.window import Consumption
 
 # send(task name, args, kwargs, queue)
 Send = Callable[[str, tuple, dict, str], None]

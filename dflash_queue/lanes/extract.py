@@ -38,13 +38,14 @@ import transformers
 import dflash_queue
 from dflash_queue import faults
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
+from dflash_queue.runstate.shard_states import CANARY_ERROR
+from dflash_queue.runstate.window import Consumption
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key
@@ -53,7 +54,6 @@ from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.shards.training import ShardInfo
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
-from dflash_queue.states import CANARY_ERROR
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.uploader import ShardUploader
 

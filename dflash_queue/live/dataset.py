@@ -36,14 +36,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dflash_queue.config import Config, load_config
-from dflash_queue.consumption import Consumption, epoch_states
-from dflash_queue.ledger import Ledger, resilient_client
 from dflash_queue.live.epochs import start_epoch
+from dflash_queue.runstate.ledger import Ledger, resilient_client
+from dflash_queue.runstate.shard_states import DONE, FAILED
+from dflash_queue.runstate.window import Consumption, epoch_states
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import consumed_key, epoch_shard_key, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
-from dflash_queue.states import DONE, FAILED
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.training import ShardDataset, collate_padded
 

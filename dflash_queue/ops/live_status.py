@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import redis
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import SILENT_AFTER_S, Consumption, epoch_states
-from dflash_queue.ledger import Ledger
-from dflash_queue.states import DONE, FAILED
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.shard_states import DONE, FAILED
+from dflash_queue.runstate.window import SILENT_AFTER_S, Consumption, epoch_states
 
 
 @dataclass

@@ -9,8 +9,8 @@ import threading
 
 from celery import Celery, signals
 
-from dflash_queue.ledger import resilient_client
 from dflash_queue.liveness import HeldMessage, Incarnation, Liveness
+from dflash_queue.runstate.ledger import resilient_client
 
 log = logging.getLogger(__name__)
 

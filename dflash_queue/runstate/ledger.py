@@ -20,7 +20,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from dflash_queue.states import CANARY_ERROR, DONE, FAILED, GENERATED, IN_PROGRESS_OR_DONE, QUEUED
+from dflash_queue.runstate.shard_states import CANARY_ERROR, DONE, FAILED, GENERATED, IN_PROGRESS_OR_DONE, QUEUED
 
 __all__ = ["CANARY_ERROR", "DONE", "FAILED", "GENERATED", "IN_PROGRESS_OR_DONE", "QUEUED", "Ledger"]
 
@@ -59,7 +59,7 @@ class Ledger:
         self.counted_key = f"{self.prefix}:counted"
         # Largest values seen of measurements that are not counts (a canary's relative error).
         self.maxima_key = f"{self.prefix}:maxima"
-        # What the run's output is made with (dflash_queue.run_identity), as recorded by its first producer.
+        # What the run's output is made with (dflash_queue.runstate.run_identity), as recorded by its first producer.
         self.identity_key = f"{self.prefix}:identity"
 
     @classmethod

@@ -20,8 +20,8 @@ from typing import Any
 
 import redis
 
-from dflash_queue.ledger import Ledger, resilient_client
-from dflash_queue.states import DONE, FAILED
+from dflash_queue.runstate.ledger import Ledger, resilient_client
+from dflash_queue.runstate.shard_states import DONE, FAILED
 
 # A rank that has not polled for this long is shown as silent by `status`.
 SILENT_AFTER_S = 120.0

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_queue.consumption import Consumption
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes import extract as extract_lane
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.runstate.window import Consumption
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id

@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_queue.cli import main
-from dflash_queue.consumption import Consumption
-from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.live import LiveShards
 from dflash_queue.live.epochs import epoch_order, start_epoch
 from dflash_queue.producer import Producer
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
+from dflash_queue.runstate.window import Consumption
 from dflash_queue.shards.keys import consumed_key, epoch_shard_key, prompts_key, stored_shard_ids
 from dflash_queue.shards.locate import locate_shards
 from dflash_queue.shards.prompts import decode_prompts

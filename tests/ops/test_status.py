@@ -12,7 +12,6 @@ import pytest
 import redis
 
 from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.ops.status import (
     WorkerView,
     collect_status,
@@ -22,6 +21,7 @@ from dflash_queue.ops.status import (
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
