@@ -37,7 +37,7 @@ from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
 from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
 from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
-from dflash_queue.runstate.window import Consumption
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import prompts_key, stored_shard_ids
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.staging import (
@@ -113,7 +113,7 @@ class Producer:
             if pending is not None:
                 self._send_group(pending, report, send, on_shard)
         # Every shard of the dataset is now known: a live dataset can split epoch 0 among its ranks.
-        Consumption(self.ledger.client, self.config.run.name).seal_epoch(0, report.shard_samples)
+        ShardWindow(self.ledger.client, self.config.run.name).seal_epoch(0, report.shard_samples)
         self.ledger.add(
             {
                 "enqueued_samples": report.staged,

@@ -171,11 +171,11 @@ def epoch(config_path: Path, number: int | None, seed: int, resend: bool) -> Non
     epochs itself."""
     from dflash_queue.live.epochs import start_epoch
     from dflash_queue.runstate.ledger import Ledger
-    from dflash_queue.runstate.window import Consumption
+    from dflash_queue.runstate.window import ShardWindow
 
     config = broker_ready(load(config_path), "epoch")
     ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
-    consumption = Consumption(ledger.client, config.run.name)
+    consumption = ShardWindow(ledger.client, config.run.name)
     if number is None:
         number = consumption.last_epoch() + (0 if resend else 1)
         if number == 0:

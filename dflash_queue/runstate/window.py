@@ -1,5 +1,5 @@
-"""Consumption state in Redis: who reads a run's training shards while it extracts, what they acknowledged, the
-window of shards stored but not yet consumed, and the epochs.
+"""A live dataset's window in Redis (`ShardWindow`): the window of shards stored but not yet consumed, who reads a
+run's training shards while it extracts, what they acknowledged, and the epochs.
 
 * An epoch is a set of shards (shard id -> samples), recorded once when it is sealed: epoch 0 by the producer
   (every shard of the dataset), a later one when its extraction is enqueued (`dflash_queue.live.epochs`).
@@ -27,7 +27,7 @@ from dflash_queue.runstate.shard_states import DONE, FAILED
 SILENT_AFTER_S = 120.0
 
 
-class Consumption:
+class ShardWindow:
     def __init__(self, client: redis.Redis, run_name: str) -> None:
         self.client: Any = client  # made with decode_responses=True
         self.prefix = f"dfq:{run_name}:live"
@@ -36,7 +36,7 @@ class Consumption:
         self.waiting_key = f"{self.prefix}:waiting"
 
     @classmethod
-    def from_url(cls, url: str, run_name: str) -> Consumption:
+    def from_url(cls, url: str, run_name: str) -> ShardWindow:
         return cls(resilient_client(url), run_name)
 
     # -- epochs
@@ -175,7 +175,7 @@ class Consumption:
         return json.loads(raw) if raw else None
 
 
-def epoch_states(consumption: Consumption, ledger: Ledger, epoch: int, shard_ids: Sequence[str]) -> dict[str, str]:
+def epoch_states(consumption: ShardWindow, ledger: Ledger, epoch: int, shard_ids: Sequence[str]) -> dict[str, str]:
     """Where each shard of the epoch stands (epoch 0: the run's ledger)."""
     if epoch == 0:
         return ledger.states(shard_ids)
