@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.faults import ENV
 from dflash_queue.producer import Producer
-from dflash_queue.redis_server import RedisServer
 from dflash_queue.runstate.ledger import DONE, Ledger
 from dfq_testing.jobs import connect, done_count, exactly_once_problems, first_lines
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
