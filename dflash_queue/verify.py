@@ -22,8 +22,8 @@ from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.liveness import HeldMessage, Liveness
-from dflash_queue.messages import message_places
+from dflash_queue.queue.liveness import HeldMessage, Liveness
+from dflash_queue.queue.messages import message_places
 from dflash_queue.runstate.ledger import FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow, epoch_states
 from dflash_queue.shards.consumed import ConsumedShard

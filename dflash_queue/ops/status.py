@@ -22,8 +22,8 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
-from dflash_queue.liveness import Liveness
 from dflash_queue.ops.live_status import LiveStatus, collect_live
+from dflash_queue.queue.liveness import Liveness
 from dflash_queue.redaction import redact
 from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
 from dflash_queue.runstate.server_waits import ServersDown, ServerWaits

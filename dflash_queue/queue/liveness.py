@@ -31,7 +31,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_queue.process_identity import ProcessIdentity
+from dflash_queue.queue.process_identity import ProcessIdentity
 
 
 @dataclass(frozen=True)

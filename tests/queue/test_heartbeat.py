@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from dflash_queue.faults import ENV
-from dflash_queue.liveness import Liveness
 from dflash_queue.ops.status import WorkerView, collect_status
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.liveness import Liveness
 from dflash_queue.runstate.ledger import DONE, GENERATED, Ledger
 from dflash_queue.verify import verify
 from dfq_testing.jobs import first_lines

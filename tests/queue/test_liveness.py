@@ -1,6 +1,6 @@
 """Liveness by worker process (incarnation), not by node name: a restarted worker's records are its own, and its
 dead predecessor's are seen dead as soon as its process is gone. Real redis; the worker processes are stand-ins
-(see tests/queue/test_liveness.py for real workers killed and restarted)."""
+(see tests/queue/test_heartbeat.py for real workers killed and restarted)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import replace
 
 import redis
 
-from dflash_queue.liveness import Incarnation, Liveness
-from dflash_queue.process_identity import ProcessIdentity
+from dflash_queue.queue.liveness import Incarnation, Liveness
+from dflash_queue.queue.process_identity import ProcessIdentity
 
 
 def incarnation_of(child: subprocess.Popen, node: str) -> Incarnation:
