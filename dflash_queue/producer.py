@@ -8,7 +8,7 @@ in progress already has a message; both are skipped. Shard ids derive from sampl
 always makes the same shards.
 
 Storage has the last word on "done": a shard the ledger shows done whose training file is not in storage is
-sent again. Before anything is staged, the run's identity (dflash_queue.run_identity) is checked against what
+sent again. Before anything is staged, the run's identity (dflash_queue.runstate.run_identity) is checked against what
 the broker's run name and the storage location were made with; another model, other settings or another
 storage is refused with what differs, never skipped as done.
 
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption
 from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
-from dflash_queue.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
-from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
+from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
+from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import prompts_key, stored_shard_ids
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.staging import (
@@ -113,7 +113,7 @@ class Producer:
             if pending is not None:
                 self._send_group(pending, report, send, on_shard)
         # Every shard of the dataset is now known: a live dataset can split epoch 0 among its ranks.
-        Consumption(self.ledger.client, self.config.run.name).seal_epoch(0, report.shard_samples)
+        ShardWindow(self.ledger.client, self.config.run.name).seal_epoch(0, report.shard_samples)
         self.ledger.add(
             {
                 "enqueued_samples": report.staged,

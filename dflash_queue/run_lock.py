@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_queue.errors import ConfigError
-from dflash_queue.process_identity import ProcessIdentity
+from dflash_queue.queue.process_identity import ProcessIdentity
 
 LOCK_FILE = "run.lock"
 HOLDER_FILE = "run.json"

@@ -11,17 +11,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from dflash_queue.broker.run_broker import forget_url, private_server, record_url
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
-from dflash_queue.run_broker import forget_url, private_server, record_url
 from dflash_queue.run_lock import RunLock
+from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 from dflash_queue.staging import EnqueueReport, checked_formatter
 
@@ -129,7 +129,7 @@ def run_single_box(
             stack.callback(server.stop)
             assert server.process is not None
             lock.record_child("redis-server", server.process.pid)
-            # status, dead and verify find it there while the run is up (and its data after: run_broker.py)
+            # status, dead and verify find it there while the run is up (and its data after: broker/run_broker.py)
             record_url(server.directory, server.url)
             stack.callback(forget_url, server.directory)
             config = config.with_overrides(broker={"url": server.url})

@@ -18,14 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption, epoch_states
 from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.ledger import FAILED, Ledger
-from dflash_queue.liveness import HeldMessage, Liveness
-from dflash_queue.messages import message_places
+from dflash_queue.queue.liveness import HeldMessage, Liveness
+from dflash_queue.queue.messages import message_places
+from dflash_queue.runstate.ledger import FAILED, Ledger
+from dflash_queue.runstate.window import ShardWindow, epoch_states
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import CONSUMED, PROMPTS, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
@@ -231,7 +231,7 @@ def verify(
             found[sample_id].append(f"dead letter {record.id}")
 
     shard_ids = sorted(set(shard_of.values()))
-    states = epoch_states(Consumption(ledger.client, config.run.name), ledger, epoch, shard_ids)
+    states = epoch_states(ShardWindow(ledger.client, config.run.name), ledger, epoch, shard_ids)
     hints: MissingHints | None = None
     for sample_id in (i for ids in expected.values() for i in ids):
         places = found.get(sample_id, [])

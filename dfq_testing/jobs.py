@@ -16,8 +16,8 @@ from kombu import pools
 from dflash_queue.config import Config
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.shards.keys import SHARDS, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard

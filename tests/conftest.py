@@ -12,10 +12,10 @@ import pytest
 import redis
 
 from dflash_queue import faults
+from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.config import Config, load_config
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
-from dflash_queue.redis_server import RedisServer
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
 from dfq_testing.servers import VllmServers

@@ -14,11 +14,11 @@ from transformers import AutoModelForCausalLM
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.registry import EXTRACT
-from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.tasks import LANE_TASKS
-from dflash_queue.run_identity import MANIFEST_KEY
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
+from dflash_queue.runstate.run_identity import MANIFEST_KEY
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -90,7 +90,7 @@ def test_job_on_s3_stores_verified_multipart_shards(
 
     # Every object the job wrote carries the sha256 of its content and an S3 checksum.
     keys = [o["Key"] for o in raw.list_objects_v2(Bucket=s3_bucket)["Contents"]]
-    # The run's outputs, and what they were made with (dflash_queue.run_identity) in the storage root.
+    # The run's outputs, and what they were made with (dflash_queue.runstate.run_identity) in the storage root.
     assert {k.split("/")[1] for k in keys} == {"prompts", "completions", "shards", MANIFEST_KEY}
     for key in keys:
         head = raw.head_object(Bucket=s3_bucket, Key=key, ChecksumMode="ENABLED")

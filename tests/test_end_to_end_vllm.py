@@ -16,10 +16,10 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.vllm_generate import request_seed
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
-from dflash_queue.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.worker import EXIT_ENGINE_LOST
+from dflash_queue.runstate.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard

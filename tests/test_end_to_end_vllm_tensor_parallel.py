@@ -25,10 +25,10 @@ from dflash_queue.config import Config, load_config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.engines.state_checks import compare_states
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.training import ShardDataset
 from dfq_testing.configs import local_copy
 from dfq_testing.jobs import first_lines

@@ -9,9 +9,9 @@ import pytest
 import redis
 
 from dflash_queue.lanes.registry import GENERATE
-from dflash_queue.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage

@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard

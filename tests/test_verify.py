@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from dflash_queue.cli import main
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters, record_id
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.ledger import Ledger
 from dflash_queue.producer import Producer
+from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.shards.training import ExtractedSample, ShardInfo

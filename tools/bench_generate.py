@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from bench_pipeline import make_dataset  # noqa: E402
 
+from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
@@ -64,11 +65,10 @@ from dflash_queue.engines.vllm_generate import (  # noqa: E402
     sampling_kwargs,
 )
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
-from dflash_queue.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
-from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.runstate.ledger import GENERATED, Ledger  # noqa: E402
 from dflash_queue.shards.completions import decode_completions  # noqa: E402
 from dflash_queue.shards.keys import completions_key, prompts_key  # noqa: E402
 from dflash_queue.shards.prompts import decode_prompts  # noqa: E402

@@ -28,15 +28,15 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from bench_pipeline import make_dataset  # noqa: E402
 
+from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import Config, S3Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine  # noqa: E402
 from dflash_queue.lanes.registry import EXTRACT  # noqa: E402
-from dflash_queue.ledger import DONE, Ledger  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
-from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.runstate.ledger import DONE, Ledger  # noqa: E402
 from dflash_queue.shards.keys import COMPLETIONS, SHARDS, completions_key, prompts_key  # noqa: E402
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402

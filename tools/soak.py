@@ -47,15 +47,15 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import load_config  # noqa: E402
 from dflash_queue.deadletters import DeadLetters  # noqa: E402
 from dflash_queue.faults import ENV  # noqa: E402
-from dflash_queue.ledger import DONE, FAILED, Ledger  # noqa: E402
-from dflash_queue.liveness import Liveness  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
-from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.queue.liveness import Liveness  # noqa: E402
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger  # noqa: E402
 from dflash_queue.shards.keys import stored_shard_ids  # noqa: E402
 from dflash_queue.storage import open_storage  # noqa: E402
 from dflash_queue.verify import verify  # noqa: E402

@@ -55,9 +55,9 @@ def broker_ready(config: Config, what: str) -> Config:
 
 def reading_broker(config: Config, what: str) -> Config:
     """`config` with the broker `what` reads: its own, or that of the job `dflash-queue run` ran with an empty
-    broker.url (run_broker.py), kept up until the command ends, once it lets this command in; or exit saying what
+    broker.url (broker/run_broker.py), kept up until the command ends, once it lets this command in; or exit saying what
     to set."""
-    from dflash_queue.run_broker import broker_for_reading
+    from dflash_queue.broker.run_broker import broker_for_reading
 
     try:
         config = click.get_current_context().with_resource(broker_for_reading(config, what))

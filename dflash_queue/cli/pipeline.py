@@ -31,9 +31,9 @@ datasets_argument = click.argument(
 )
 def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> None:
     """Stage DATASETS as prompt shards and enqueue one generate task per shard not already done or queued."""
-    from dflash_queue.ledger import Ledger
     from dflash_queue.producer import Producer
     from dflash_queue.queue.app import configure_app
+    from dflash_queue.runstate.ledger import Ledger
 
     config = broker_ready(load(config_path), "enqueue")
     try:
@@ -169,13 +169,13 @@ def epoch(config_path: Path, number: int | None, seed: int, resend: bool) -> Non
     completions (nothing is generated), in an order of its own, into epochs/EPOCH/shards/. It starts once the
     previous epoch's extraction is over. A live dataset (dflash_queue.live.LiveShards with epochs > 1) starts
     epochs itself."""
-    from dflash_queue.consumption import Consumption
-    from dflash_queue.ledger import Ledger
     from dflash_queue.live.epochs import start_epoch
+    from dflash_queue.runstate.ledger import Ledger
+    from dflash_queue.runstate.window import ShardWindow
 
     config = broker_ready(load(config_path), "epoch")
     ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
-    consumption = Consumption(ledger.client, config.run.name)
+    consumption = ShardWindow(ledger.client, config.run.name)
     if number is None:
         number = consumption.last_epoch() + (0 if resend else 1)
         if number == 0:

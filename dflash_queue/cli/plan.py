@@ -156,8 +156,8 @@ def plan(
 def _measured(config):
     import redis
 
-    from dflash_queue.ledger import Ledger
     from dflash_queue.ops.planner import measured_from_counters
+    from dflash_queue.runstate.ledger import Ledger
 
     if not config.broker.url:
         raise click.ClickException(

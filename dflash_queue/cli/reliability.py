@@ -104,8 +104,8 @@ def dead_show(config_path, record_id) -> None:
 def dead_requeue(config_path, record_ids, lane, exc_type, kind, older_than, newer_than, everything, dry_run) -> None:
     """Send dead letters' work again (after fixing the cause): RECORD_IDS, or --all matching the filters."""
     from dflash_queue.deadletters.requeue import celery_send, requeue
-    from dflash_queue.ledger import Ledger
     from dflash_queue.queue.app import configure_app
+    from dflash_queue.runstate.ledger import Ledger
 
     if not record_ids and not everything:
         raise click.UsageError("name record ids, or pass --all (with filters) to requeue every match")

@@ -22,6 +22,7 @@ import redis
 
 from dflash_queue import jsoncodec
 from dflash_queue.lanes.registry import UNKNOWN_LANE
+from dflash_queue.runstate.keys import RunKeys
 
 # Kinds of record.
 TASK = "task"
@@ -125,12 +126,12 @@ return value
 class DeadLetters:
     def __init__(self, client: redis.Redis, run_name: str) -> None:
         self.client = client
-        self.key = f"dfq:{run_name}:dead"
+        self.key = RunKeys(run_name).dead_letters
         self._take = client.register_script(_TAKE)
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> DeadLetters:
-        from dflash_queue.ledger import resilient_client
+        from dflash_queue.runstate.ledger import resilient_client
 
         return cls(resilient_client(url), run_name)
 

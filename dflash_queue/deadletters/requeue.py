@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.ledger import Ledger
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.window import ShardWindow
 
 # send(task name, args, kwargs, queue)
 Send = Callable[[str, tuple, dict, str], None]
@@ -103,7 +103,7 @@ def requeue(
             continue
         try:
             if job.epoch:
-                Consumption(ledger.client, config.run.name).set_epoch_state(job.epoch, job.shard_id, spec.waiting_state)
+                ShardWindow(ledger.client, config.run.name).set_epoch_state(job.epoch, job.shard_id, spec.waiting_state)
             else:
                 ledger.set_state(job.shard_id, spec.waiting_state)
             kwargs = {"redo": job.redo, "epoch": job.epoch} if job.epoch else {"redo": job.redo}

@@ -38,13 +38,14 @@ import transformers
 import dflash_queue
 from dflash_queue import faults
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
+from dflash_queue.runstate.shard_states import CANARY_ERROR
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key
@@ -53,7 +54,6 @@ from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.shards.training import ShardInfo
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
-from dflash_queue.states import CANARY_ERROR
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.uploader import ShardUploader
 
@@ -149,7 +149,7 @@ class ExtractLane:
         )
         self._compute = threading.Semaphore(extractor.concurrent_tasks)
         self._stopping = threading.Event()
-        self._consumption: Consumption | None = None  # the window's state, reached once there is one
+        self._consumption: ShardWindow | None = None  # the window's state, reached once there is one
 
     def run(self, shard_id: str, *, redo: bool = False, epoch: int = 0) -> ExtractSummary:
         """Extract one shard for `epoch` and return once it is durably stored. Safe to call from several threads.
@@ -270,7 +270,7 @@ class ExtractLane:
         if not size:
             return
         if self._consumption is None:
-            self._consumption = Consumption.from_url(self.config.broker.connection_url(), self.config.run.name)
+            self._consumption = ShardWindow.from_url(self.config.broker.connection_url(), self.config.run.name)
         # Well within the visibility timeout: a message held longer would be handed to another worker.
         wait_s = min(WINDOW_WAIT_S, self.config.broker.visibility_timeout_s / 4)
         deadline = time.monotonic() + wait_s

@@ -24,7 +24,7 @@ from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
 
 if TYPE_CHECKING:
-    from dflash_queue.server_waits import OutageReporter
+    from dflash_queue.runstate.server_waits import OutageReporter
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ def build_generate_lane(config: Config, storage: Storage | None = None) -> Gener
     outage = getattr(lane.engine, "outage", None)
     if outage is not None and config.broker.url:
         # `status` shows a worker whose every inference server is down, and since when.
-        from dflash_queue.ledger import resilient_client
-        from dflash_queue.server_waits import OutageReporter, ServerWaits
+        from dflash_queue.runstate.ledger import resilient_client
+        from dflash_queue.runstate.server_waits import OutageReporter, ServerWaits
 
         waits = ServerWaits(resilient_client(config.broker.connection_url()), config.run.name)
         lane.outage_reporter = OutageReporter(outage, waits)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from dflash_queue.states import CANARY_ERROR, DONE, GENERATED, QUEUED
+from dflash_queue.runstate.shard_states import CANARY_ERROR, DONE, GENERATED, QUEUED
 
 if TYPE_CHECKING:
     from dflash_queue.config import Config

@@ -36,14 +36,14 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from dflash_queue.config import Config, load_config
-from dflash_queue.consumption import Consumption, epoch_states
-from dflash_queue.ledger import Ledger, resilient_client
 from dflash_queue.live.epochs import start_epoch
+from dflash_queue.runstate.ledger import Ledger, resilient_client
+from dflash_queue.runstate.shard_states import DONE, FAILED
+from dflash_queue.runstate.window import ShardWindow, epoch_states
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import consumed_key, epoch_shard_key, epoch_shards_prefix, shard_id_of
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
-from dflash_queue.states import DONE, FAILED
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.training import ShardDataset, collate_padded
 
@@ -124,7 +124,7 @@ class LiveShards:
         if self._pid == os.getpid():
             return
         client = resilient_client(self.config.broker.connection_url())
-        self._consumption = Consumption(client, self.config.run.name)
+        self._consumption = ShardWindow(client, self.config.run.name)
         self._ledger = Ledger(client, self.config.run.name)
         self._storage: Storage = open_storage(self.config.storage)
         self._pid = os.getpid()
@@ -133,7 +133,7 @@ class LiveShards:
             self._registered = True
 
     @property
-    def consumption(self) -> Consumption:
+    def consumption(self) -> ShardWindow:
         self._connect()
         return self._consumption
 

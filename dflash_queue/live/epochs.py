@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption, epoch_states, settled
-from dflash_queue.ledger import Ledger
-from dflash_queue.states import DONE, FAILED, GENERATED
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.shard_states import DONE, FAILED, GENERATED
+from dflash_queue.runstate.window import ShardWindow, epoch_states, settled
 
 # send(shard id, samples, fingerprint, epoch)
 SendExtract = Callable[[str, int, str, int], None]
@@ -54,7 +54,7 @@ def start_epoch(
     epoch: int,
     *,
     seed: int = 0,
-    consumption: Consumption,
+    consumption: ShardWindow,
     ledger: Ledger,
     send: SendExtract | None = None,
     resend: bool = False,

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import redis
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import SILENT_AFTER_S, Consumption, epoch_states
-from dflash_queue.ledger import Ledger
-from dflash_queue.states import DONE, FAILED
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.shard_states import DONE, FAILED
+from dflash_queue.runstate.window import SILENT_AFTER_S, ShardWindow, epoch_states
 
 
 @dataclass
@@ -45,7 +45,7 @@ class LiveStatus:
 def collect_live(client: redis.Redis, config: Config, *, now: float | None = None) -> LiveStatus | None:
     """None for a run no consumer follows and with no window or later epoch."""
     now = time.time() if now is None else now
-    consumption = Consumption(client, config.run.name)
+    consumption = ShardWindow(client, config.run.name)
     ledger = Ledger(client, config.run.name)
     consumers = consumption.consumers()
     epoch = consumption.last_epoch()

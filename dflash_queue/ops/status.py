@@ -6,7 +6,7 @@ survives worker restarts. Dead letters are counted per lane from their records (
 A shard counts as extracted only when its training file is listed in the configured storage: one the ledger
 shows done without it is reported missing (`shards_missing`), never done. Workers that stopped themselves because
 their engine kept failing its state checks are listed with the reason (`stopped_workers`,
-dflash_queue/stopped_workers.py) until a worker of the same name starts again.
+dflash_queue/runstate/stopped_workers.py) until a worker of the same name starts again.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
-from dflash_queue.ledger import DONE, FAILED, Ledger
-from dflash_queue.liveness import Liveness
 from dflash_queue.ops.live_status import LiveStatus, collect_live
+from dflash_queue.queue.liveness import Liveness
 from dflash_queue.redaction import redact
-from dflash_queue.server_waits import ServersDown, ServerWaits
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
+from dflash_queue.runstate.server_waits import ServersDown, ServerWaits
+from dflash_queue.runstate.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.shards.keys import stored_shard_ids
-from dflash_queue.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.storage import open_storage
 
 # The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.

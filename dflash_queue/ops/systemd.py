@@ -21,7 +21,7 @@ from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV,
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
 from dflash_queue.ops.gpus import instance_name
-from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS
+from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 
 FLOWER_UNIT = "dflash-flower.service"
 TARGET_UNIT = "dflash.target"

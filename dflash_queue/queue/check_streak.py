@@ -1,5 +1,5 @@
 """Shards in a row whose states failed the engine's checks: past `extract.stop_after_failed_checks` the engine is
-at fault, not the shards, and the worker stops (see dflash_queue/stopped_workers.py).
+at fault, not the shards, and the worker stops (see dflash_queue/runstate/stopped_workers.py).
 
 A failure of the canary (CanaryMismatch), of the plausibility checks (ImplausibleHiddenStates) or of what the
 engine handed over (EngineStatesInvalid) fails its shard for good: a dead letter. One such shard says little about

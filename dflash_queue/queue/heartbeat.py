@@ -1,6 +1,6 @@
 """A worker's heartbeat thread: it registers the worker process (an incarnation), keeps its liveness key, records
 the messages it takes, and puts back those of dead incarnations, its own predecessors under the same node name
-first (see dflash_queue/liveness.py)."""
+first (see queue/liveness.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import threading
 
 from celery import Celery, signals
 
-from dflash_queue.ledger import resilient_client
-from dflash_queue.liveness import HeldMessage, Incarnation, Liveness
+from dflash_queue.queue.liveness import HeldMessage, Incarnation, Liveness
+from dflash_queue.runstate.ledger import resilient_client
 
 log = logging.getLogger(__name__)
 

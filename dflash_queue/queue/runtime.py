@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from dflash_queue.config import Config
-from dflash_queue.consumption import Consumption
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import ResidentLane
-from dflash_queue.ledger import Ledger
 from dflash_queue.queue.check_streak import FailedCheckStreak
-from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.storage import Storage
 
 EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the worker
@@ -48,9 +48,9 @@ class WorkerRuntime:
         self.check_streak = FailedCheckStreak(self.config.extract.stop_after_failed_checks)
 
     @cached_property
-    def consumption(self) -> Consumption:
+    def consumption(self) -> ShardWindow:
         """The live dataset's state (later epochs, the window), on the ledger's connection."""
-        return Consumption(self.ledger.client, self.config.run.name)
+        return ShardWindow(self.ledger.client, self.config.run.name)
 
     def lane(self, name: str) -> ResidentLane:
         try:

@@ -37,7 +37,7 @@ from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
 from dflash_queue.queue.check_streak import STATE_CHECK_FAILURES
 from dflash_queue.queue.runtime import WorkerRuntime
-from dflash_queue.states import FAILED
+from dflash_queue.runstate.shard_states import FAILED
 
 log = get_task_logger(__name__)
 # Busy time per lane in this worker process, recorded as `{lane}_busy_ms` next to the lane's counters.

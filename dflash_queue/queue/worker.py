@@ -43,11 +43,11 @@ from dflash_queue.deadletters import DeadLetters
 from dflash_queue.doctor.broker import durability_warnings, login_error
 from dflash_queue.errors import BrokerLoginRefused
 from dflash_queue.lanes.registry import lane
-from dflash_queue.ledger import Ledger
 from dflash_queue.queue.app import LaneApp, configure_app
 from dflash_queue.queue.heartbeat import Heartbeat
 from dflash_queue.queue.runtime import EXIT_ENGINE_LOST, WorkerRuntime
-from dflash_queue.stopped_workers import StoppedWorkers
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.stopped_workers import StoppedWorkers
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.checks import require_storage
 

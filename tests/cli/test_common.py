@@ -13,9 +13,9 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from dflash_queue.broker.redis_server import RedisServer, free_port
 from dflash_queue.cli import main
 from dflash_queue.config import PASSWORD_ENV, PASSWORD_FILE_ENV
-from dflash_queue.redis_server import RedisServer, free_port
 from dfq_testing.jobs import connect
 
 REPO = Path(__file__).resolve().parents[2]

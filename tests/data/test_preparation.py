@@ -20,9 +20,9 @@ from dflash_queue.data import preparation
 from dflash_queue.data.length import source_position
 from dflash_queue.data.samples import EncodedSample
 from dflash_queue.engines.chat import ChatFormatter
-from dflash_queue.ledger import Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.shards.prompts import decode_prompts, encode_prompts
 from dflash_queue.staging import (
     AUTO_MIN_BYTES,

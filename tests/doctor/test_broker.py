@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
+from dflash_queue.broker.redis_server import RedisServer, free_port
 from dflash_queue.doctor.broker import check_broker, durability_warnings, is_loopback, login_error, password_verdict
-from dflash_queue.redis_server import RedisServer, free_port
 from dfq_testing.jobs import connect
 
 

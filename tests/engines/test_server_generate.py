@@ -22,9 +22,9 @@ from dflash_queue.engines.config import SamplingConfig
 from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine, ServerRejectedSample
 from dflash_queue.engines.vllm_generate import VllmGenerateEngine
 from dflash_queue.errors import ConfigError
-from dflash_queue.ledger import DONE, GENERATED, Ledger
 from dflash_queue.ops.status import WorkerView, collect_status
 from dflash_queue.producer import Producer
+from dflash_queue.runstate.ledger import DONE, GENERATED, Ledger
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard

@@ -17,8 +17,8 @@ from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEng
 from dflash_queue.engines.vllm_generate import request_seed
 from dflash_queue.errors import ConfigError, SampleDependentError, WorkerShuttingDown
 from dflash_queue.lanes.generate import build_generate_lane
-from dflash_queue.ledger import resilient_client
-from dflash_queue.server_waits import OutageReporter, ServerWaits
+from dflash_queue.runstate.ledger import resilient_client
+from dflash_queue.runstate.server_waits import OutageReporter, ServerWaits
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key
 from dflash_queue.storage import open_storage

@@ -13,7 +13,7 @@ from dflash_queue.engines import vllm_args
 from dflash_queue.engines.vllm_extract import extract_engine_args
 from dflash_queue.engines.vllm_generate import engine_args
 from dflash_queue.errors import ConfigError
-from dflash_queue.run_identity import RunIdentity
+from dflash_queue.runstate.run_identity import RunIdentity
 from dflash_queue.shards.training import ShardInfo
 from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
 

@@ -15,8 +15,8 @@ import redis
 
 from dflash_queue.faults import ENV
 from dflash_queue.lanes.registry import GENERATE
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.keys import COMPLETIONS, SHARDS, shard_id_of
 from dflash_queue.storage import open_storage
 from dfq_testing.jobs import connect, done_count, exactly_once_problems, first_lines

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
-from dflash_queue.redis_server import RedisServer
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dfq_testing.jobs import connect, done_count, exactly_once_problems, first_lines
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states, wait_until

@@ -11,11 +11,11 @@ import pytest
 
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.ops.status import collect_status
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
 from dflash_queue.shards.keys import shard_key
 from dflash_queue.storage import open_storage
 from dfq_testing.jobs import first_lines

@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from dflash_queue.cli import main
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
 from dfq_testing.jobs import assert_accounted, first_lines
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states

@@ -11,9 +11,9 @@ import pytest
 
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dfq_testing.jobs import assert_accounted
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states

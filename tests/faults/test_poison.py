@@ -14,9 +14,9 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard

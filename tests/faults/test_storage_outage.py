@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dfq_testing.jobs import exactly_once_problems, first_lines, read_only, root_bypass_dropped
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states, wait_until

@@ -18,14 +18,14 @@ from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.lanes.registry import EXTRACT
-from dflash_queue.ledger import DONE, FAILED, GENERATED, Ledger
 from dflash_queue.ops.status import collect_status
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.tasks import LANE_TASKS
+from dflash_queue.runstate.ledger import DONE, FAILED, GENERATED, Ledger
+from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
-from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS
 from dflash_queue.storage import open_storage
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states

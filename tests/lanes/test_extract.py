@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_queue.consumption import Consumption
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes import extract as extract_lane
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
@@ -128,7 +128,7 @@ def test_the_window_holds_extraction_back_and_a_consumed_shard_is_never_made_aga
     monkeypatch.setattr(extract_lane, "WINDOW_WAIT_S", 1.0)
     extractor = ObservedExtractor(build_extractor(config))
     lane = ExtractLane(config, extractor, storage)
-    consumption = Consumption.from_url(redis_url, config.run.name)
+    consumption = ShardWindow.from_url(redis_url, config.run.name)
 
     assert not lane.run(first).skipped and consumption.window_fill() == 1
     with pytest.raises(WindowFull, match=f"shard {second} \\(epoch 0\\): 1 shards wait"):

@@ -11,9 +11,9 @@ from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, record_id
 from dflash_queue.deadletters.recording import dead_letter_task
 from dflash_queue.deadletters.requeue import plan
 from dflash_queue.lanes.registry import EXTRACT, FINAL_LANE, FIRST_LANE, GENERATE, LANES, lane, lane_of_task
-from dflash_queue.ledger import DONE, GENERATED, QUEUED
 from dflash_queue.queue.app import LaneApp, celery_settings
 from dflash_queue.queue.tasks import LANE_TASKS
+from dflash_queue.runstate.ledger import DONE, GENERATED, QUEUED
 
 
 def test_the_pipeline_runs_from_the_first_lane_to_the_final_one_through_every_lane():

@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from dflash_queue.cli import main
-from dflash_queue.consumption import Consumption
-from dflash_queue.ledger import DONE, FAILED, Ledger
 from dflash_queue.live import LiveShards
 from dflash_queue.live.epochs import epoch_order, start_epoch
 from dflash_queue.producer import Producer
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import consumed_key, epoch_shard_key, prompts_key, stored_shard_ids
 from dflash_queue.shards.locate import locate_shards
 from dflash_queue.shards.prompts import decode_prompts
@@ -26,8 +26,8 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 
 
 @pytest.fixture
-def consumption(redis_url) -> Consumption:
-    return Consumption.from_url(redis_url, "test")
+def consumption(redis_url) -> ShardWindow:
+    return ShardWindow.from_url(redis_url, "test")
 
 
 def test_the_window_admits_a_shard_once_and_no_more_than_its_size_at_once(consumption):
@@ -88,7 +88,7 @@ def test_acknowledged_by_every_consumer_a_shard_is_deleted_recorded_and_still_co
     storage = open_storage(config.storage)
     first, second = report.shard_ids
     ids = {s: [p.id for p in decode_prompts(storage.read_bytes(prompts_key(s)), what=s)] for s in (first, second)}
-    consumption = Consumption(ledger.client, config.run.name)
+    consumption = ShardWindow(ledger.client, config.run.name)
     for shard_id in (first, second):
         assert consumption.take_place(0, shard_id, 4)
         store_shard(storage, shard_id, ids[shard_id][:3], dropped=ids[shard_id][3:])
@@ -119,7 +119,7 @@ def test_an_epoch_starts_once_the_previous_extraction_is_over_in_its_own_order(m
     dataset.write_text("\n".join(SAMPLE.read_text().splitlines()[:12]) + "\n")
     ledger = Ledger.from_url(redis_url, config.run.name)
     report = Producer(config, ledger).enqueue([dataset], send=lambda *args: None)
-    consumption = Consumption(ledger.client, config.run.name)
+    consumption = ShardWindow(ledger.client, config.run.name)
     sent: list[tuple[str, int, int]] = []
 
     def send(shard_id: str, samples: int, fingerprint: str, epoch: int) -> None:

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dflash_queue.consumption import Consumption
-from dflash_queue.ledger import Ledger
 from dflash_queue.live import LiveShards
 from dflash_queue.ops.status import WorkerView, collect_status
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.storage import open_storage
 from dflash_queue.verify import verify
 from dfq_testing.jobs import dataset_ids, first_lines
@@ -99,7 +99,7 @@ def test_two_ranks_train_while_it_extracts_two_epochs_within_the_window(make_con
     assert len(list((storage_root / "consumed" / "0").glob("*.json"))) == 6
     assert len(list((storage_root / "consumed" / "1").glob("*.json"))) == 6
     assert len(list((storage_root / "completions").glob("*.jsonl"))) == 6
-    consumption = Consumption.from_url(redis_url, config.run.name)
+    consumption = ShardWindow.from_url(redis_url, config.run.name)
     assert consumption.window_fill() == 0
 
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dflash_queue.broker.redis_server import free_port
 from dflash_queue.errors import ConfigError
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.ops.flower import check_basic_auth, flower_argv
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.redis_server import free_port
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]

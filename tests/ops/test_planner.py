@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.chat import ChatFormatter
-from dflash_queue.ledger import Ledger
 from dflash_queue.ops.planner import (
     PromptStats,
     count_prompts,
@@ -27,6 +26,7 @@ from dflash_queue.ops.planner import (
     reservoir,
     schedule,
 )
+from dflash_queue.runstate.ledger import Ledger
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"

@@ -12,7 +12,6 @@ import pytest
 import redis
 
 from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.ops.status import (
     WorkerView,
     collect_status,
@@ -22,6 +21,7 @@ from dflash_queue.ops.status import (
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -160,7 +160,7 @@ def test_eta_quality_dead_letters_and_failures_from_the_ledger(make_config, redi
 def test_work_held_by_a_dead_worker_is_stranded_never_moving(make_config, redis_url):
     """Two generate tasks held by a dead worker (its heartbeat gone): shown stranded, not in flight; the ETA is at
     least their return plus their processing, and unknown while no worker lives to put them back."""
-    from dflash_queue.liveness import Incarnation, Liveness
+    from dflash_queue.queue.liveness import Incarnation, Liveness
 
     config = make_config(broker={"worker_liveness_s": 300})
     client = redis.Redis.from_url(redis_url, decode_responses=True)

@@ -104,7 +104,7 @@ def test_verify_catches_a_missing_executable(make_config, tmp_path):
 
 def test_a_worker_stopped_for_failing_checks_is_not_restarted_and_one_whose_engine_died_is(make_config, tmp_path):
     from dflash_queue.queue.worker import EXIT_ENGINE_LOST
-    from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS
+    from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 
     config = make_config()
     units = render_units(config, LAYOUT, settings(tmp_path, config))

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import redis
 
+from dflash_queue.broker.redis_server import RedisServer, free_port
 from dflash_queue.config import PASSWORD_ENV
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.ops.flower import flower_argv
 from dflash_queue.ops.systemd import InstallSettings, UnitLayout, env_file_text, render_units
 from dflash_queue.producer import Producer
 from dflash_queue.queue.launcher import WorkerProcess
-from dflash_queue.redis_server import RedisServer, free_port
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dfq_testing.jobs import connect, first_lines
 from dfq_testing.polling import wait_for_states
 

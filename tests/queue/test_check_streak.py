@@ -1,5 +1,5 @@
 """When shards failing their state checks stop a worker (queue/check_streak.py), and the stop's record in the broker
-(stopped_workers.py). The worker itself, stopping and exiting, is tested with real processes in
+(runstate/stopped_workers.py). The worker itself, stopping and exiting, is tested with real processes in
 tests/faults/test_worker_stops.py."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import redis
 from dflash_queue.engines.state_checks import CanaryMismatch, ImplausibleHiddenStates
 from dflash_queue.errors import EngineStatesInvalid
 from dflash_queue.queue.check_streak import MESSAGE_CHARS, STATE_CHECK_FAILURES, FailedCheckStreak
-from dflash_queue.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
+from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
 
 
 def test_the_streak_trips_at_its_limit_and_a_passing_shard_starts_it_over():

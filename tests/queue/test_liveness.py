@@ -1,164 +1,68 @@
-"""A worker killed with SIGKILL: the messages it held come back when its heartbeat stops, long before the
-visibility timeout; `status` shows them held by a dead worker meanwhile. Real redis, real workers."""
+"""Liveness by worker process (incarnation), not by node name: a restarted worker's records are its own, and its
+dead predecessor's are seen dead as soon as its process is gone. Real redis; the worker processes are stand-ins
+(see tests/queue/test_heartbeat.py for real workers killed and restarted)."""
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
+import subprocess
+import sys
+from dataclasses import replace
 
-import pytest
+import redis
 
-from dflash_queue.faults import ENV
-from dflash_queue.ledger import DONE, GENERATED, Ledger
-from dflash_queue.liveness import Liveness
-from dflash_queue.ops.status import WorkerView, collect_status
-from dflash_queue.producer import Producer
-from dflash_queue.queue.app import configure_app
-from dflash_queue.verify import verify
-from dfq_testing.jobs import first_lines
-from dfq_testing.polling import wait_for_states, wait_until
-from tests.faults.test_kill import delivery_counts, wait_for_unacked
-
-SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
-pytestmark = pytest.mark.slow
-LIVENESS_S = 6
+from dflash_queue.queue.liveness import Incarnation, Liveness
+from dflash_queue.queue.process_identity import ProcessIdentity
 
 
-def test_a_killed_workers_messages_come_back_after_its_heartbeat_not_the_visibility_timeout(
-    make_config, redis_url, start_worker, tmp_path
-):
-    config = make_config(
-        broker={"visibility_timeout_s": 3600, "task_timeout_s": 600, "worker_liveness_s": LIVENESS_S},
-        dataset={"shard_size": 4, "thinking": "never"},
-        **{"generate.sampling": {"max_tokens": 8}},
-    )
-    configure_app(config)
-    dataset = first_lines(SAMPLE, 8, tmp_path / "prompts.jsonl")
-    ledger = Ledger.from_url(redis_url, config.run.name)
-    doomed = start_worker(config, "generate", env={ENV: json.dumps({"task_delay_s": 30})})
-    report = Producer(config, ledger).enqueue([dataset])
-    wait_for_unacked(redis_url, "generate")
-    # Killed once its task has begun (its delivery counted), not while the message waits in the worker's prefetch.
-    wait_until(lambda: delivery_counts(redis_url, config.run.name) == [1], 60, "the doomed worker's task started")
-    doomed.kill()
-    killed_at = time.monotonic()
-
-    def held_by_dead():
-        lane = collect_status(config, workers=WorkerView()).lanes["generate"]
-        return lane if lane.held_by_dead else None
-
-    lane = wait_until(held_by_dead, 3 * LIVENESS_S, "the killed worker's message shown held by a dead worker")
-    assert lane.held_by_dead == 1 and lane.reserved == 1
-    # No worker is alive to put it back: nothing says when it moves again.
-    assert lane.held_back_in_s is None and lane.eta_s is None
-
-    # verify says why each sample is missing and what brings it back.
-    accounted = verify(config, [dataset])
-    reasons = sorted(set(accounted.missing.values()))
-    assert len(accounted.missing) == 8 and len(reasons) == 2, reasons
-    assert any(f"held by {doomed.hostname}, a worker whose heartbeat stopped" in r for r in reasons), reasons
-    assert any("waiting in the generate queue" in r for r in reasons), reasons
-
-    survivor = start_worker(config, "generate")
-    wait_for_states(ledger, report.shard_ids, {GENERATED, DONE}, timeout=120, workers=[survivor])
-    assert time.monotonic() - killed_at < 90  # the visibility timeout is an hour
-    assert 2 in delivery_counts(redis_url, config.run.name)  # the killed delivery counted
-    assert collect_status(config, workers=WorkerView()).lanes["generate"].held_by_dead == 0
+def incarnation_of(child: subprocess.Popen, node: str) -> Incarnation:
+    with open(f"/proc/{child.pid}/stat") as stat:
+        ticks = stat.read().rpartition(")")[2].split()[19]
+    process = replace(ProcessIdentity.of_this_process(), pid=child.pid, start_ticks=ticks)
+    return replace(Incarnation.of_this_process(node), process=process)
 
 
-def holding(liveness: Liveness, node: str, count: int, redis_url: str, run: str):
-    """The tasks `node` holds once it holds `count`, each started (its delivery counted); else None."""
-    held = [m for m in liveness.held() if m.node == node]
-    started = Ledger.from_url(redis_url, run).deliveries()
-    if len(held) == count and all(started.get((m.task_id, 0)) == 1 for m in held):
-        return held
-    return None
+def test_a_successor_under_the_same_name_neither_refreshes_nor_inherits_its_predecessors_records(redis_url):
+    liveness = Liveness(redis.Redis.from_url(redis_url, decode_responses=True), "run", ttl_s=30)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        predecessor = incarnation_of(child, "extract-0@box")
+        liveness.register(predecessor)
+        liveness.took(predecessor.id, "task-1", "tag-1", "extract", "shard-1")
+        assert liveness.held_by_dead() == [] and liveness.any_alive()
+        child.kill()
+        child.wait()
+    finally:
+        child.kill()
+        child.wait()
+
+    successor = Incarnation.of_this_process("extract-0@box")
+    liveness.register(successor)
+    assert successor.id != predecessor.id
+    # The heartbeat is the predecessor's own, still fresh: its process is seen gone all the same.
+    assert liveness.heartbeat_fresh(predecessor.id)
+    [held] = liveness.held_by_dead()
+    assert (held.node, held.incarnation, held.task_id, held.shard_id) == ("extract-0@box", predecessor.id, "task-1",
+                                                                         "shard-1")
+    assert liveness.predecessors(successor) == [predecessor]
+    assert liveness.held_by([successor]) == []
+
+    liveness.leave(predecessor.id)
+    assert liveness.held() == [] and list(liveness.incarnations()) == [successor.id]
 
 
-def put_back(ledger: Ledger, held, since: float) -> bool:
-    """Every one of these messages back on its queue, or delivered again after `since` (wall clock): out of kombu's
-    unacked hash, or in it with a later delivery time (a message keeps its tag when it is put back)."""
-    for message in held:
-        delivered_at = ledger.client.zscore("unacked_index", message.tag)
-        if ledger.client.hexists("unacked", message.tag) and (delivered_at is None or delivered_at < since):
-            return False
-    return True
-
-
-def redelivered(ledger: Ledger, held) -> bool:
-    counts = ledger.deliveries()
-    return all(counts.get((m.task_id, 0), 0) >= 2 for m in held)
-
-
-def kill_an_extract_worker_holding_three(make_config, redis_url, start_worker, tmp_path):
-    """An extract worker (3 task slots) holding three started tasks, SIGKILLed; the default liveness (30 s) and an
-    hour's visibility timeout, as deployed. Returns the config, the ledger, the shard ids, the killed worker, its
-    tasks, and when it was killed (monotonic and wall clock)."""
-    config = make_config(
-        broker={"visibility_timeout_s": 3600, "task_timeout_s": 600},
-        dataset={"shard_size": 2, "thinking": "never"},
-        **{"generate.sampling": {"max_tokens": 8}},
-    )
-    assert config.broker.worker_liveness_s == 30 and config.storage.uploader.max_pending == 2
-    configure_app(config)
-    dataset = first_lines(SAMPLE, 12, tmp_path / "prompts.jsonl")
-    ledger = Ledger.from_url(redis_url, config.run.name)
-    liveness = Liveness(ledger.client, config.run.name, config.broker.worker_liveness_s)
-    generate = start_worker(config, "generate")
-    doomed = start_worker(config, "extract", env={ENV: json.dumps({"task_delay_s": 600})}, hostname="extract-0@box")
-    report = Producer(config, ledger).enqueue([dataset])
-    held = wait_until(lambda: holding(liveness, doomed.hostname, 3, redis_url, config.run.name), 120,
-                      "the extract worker holding three started tasks", [generate, doomed])
-    # No other worker is left to put them back (a live one on this host would, at its next beat).
-    wait_for_states(ledger, report.shard_ids, {GENERATED, DONE}, timeout=120, workers=[generate])
-    generate.stop()
-    doomed.kill()
-    return config, ledger, report.shard_ids, doomed, held, time.monotonic(), time.time()
-
-
-def test_a_worker_restarted_at_once_under_its_name_puts_back_what_its_predecessor_held(
-    make_config, redis_url, start_worker, tmp_path
-):
-    config, ledger, shard_ids, doomed, held, killed_at, killed_wall = kill_an_extract_worker_holding_three(
-        make_config, redis_url, start_worker, tmp_path
-    )
-    successor = start_worker(config, "extract", hostname=doomed.hostname, wait=False)
-    wait_until(lambda: put_back(ledger, held, killed_wall), 60, "the predecessor's tasks back on the queue", [successor])
-    assert time.monotonic() - killed_at < 60
-    assert "succeeding extract-0@box" in successor.log_tail(20000)
-    wait_until(lambda: redelivered(ledger, held), 120, "the predecessor's tasks delivered again", [successor])
-    wait_for_states(ledger, shard_ids, {DONE}, timeout=180, workers=[successor])
-    assert Liveness(ledger.client, config.run.name, 30).held() == []
-    assert verify(config, [tmp_path / "prompts.jsonl"]).ok
-
-
-def test_a_worker_restarted_after_the_units_restart_delay_puts_back_what_its_predecessor_held(
-    make_config, redis_url, start_worker, tmp_path
-):
-    """systemd restarts a failed worker after RestartSec (ops/units: RESTART_S), the same as the default liveness:
-    whether the predecessor's heartbeat has expired by then or not, its successor puts its tasks back."""
-    from dflash_queue.ops.status_view import status_table
-    from dflash_queue.ops.systemd import RESTART_S
-
-    config, ledger, shard_ids, doomed, held, killed_at, killed_wall = kill_an_extract_worker_holding_three(
-        make_config, redis_url, start_worker, tmp_path
-    )
-    assert RESTART_S == config.broker.worker_liveness_s
-    # Meanwhile the held work is stranded, never shown moving: no live worker is there to put it back.
-    lane = wait_until(lambda: (s := collect_status(config, workers=WorkerView()).lanes["extract"]).held_by_dead and s,
-                      RESTART_S / 2, "the dead worker's tasks shown stranded")
-    assert lane.held_by_dead == 3 and lane.held_back_in_s is None and lane.eta_s is None
-    from rich.console import Console
-
-    console = Console(width=300, record=True)
-    console.print(status_table(collect_status(config, workers=WorkerView())))
-    assert "3 stranded, held by a dead worker (back once a worker starts)" in console.export_text()
-    time.sleep(max(0.0, killed_at + RESTART_S - time.monotonic()))
-
-    successor = start_worker(config, "extract", hostname=doomed.hostname, wait=False)
-    wait_until(lambda: put_back(ledger, held, killed_wall), 60, "the predecessor's tasks back on the queue", [successor])
-    assert time.monotonic() - killed_at < 60
-    wait_until(lambda: redelivered(ledger, held), 120, "the predecessor's tasks delivered again", [successor])
-    wait_for_states(ledger, shard_ids, {DONE}, timeout=180, workers=[successor])
-    assert collect_status(config, workers=WorkerView()).lanes["extract"].held_by_dead == 0
+def test_a_running_namesake_is_no_predecessor_and_one_elsewhere_is_dead_when_its_heartbeat_stops(redis_url):
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    liveness = Liveness(client, "run", ttl_s=30)
+    running = Incarnation.of_this_process("generate-0@box")
+    elsewhere = replace(Incarnation.of_this_process("generate-1@box"),
+                        process=replace(running.process, host="another-host"))
+    liveness.register(running)
+    liveness.register(elsewhere)
+    liveness.took(elsewhere.id, "task-2", "tag-2", "generate", "shard-2")
+    assert liveness.predecessors(Incarnation.of_this_process("generate-0@box")) == []
+    # Another host: only the heartbeat tells; a same-named successor does not wait for it.
+    assert liveness.held_by_dead() == []
+    assert liveness.predecessors(Incarnation.of_this_process("generate-1@box")) == [elsewhere]
+    client.delete(f"dfq:run:alive:{elsewhere.id}")
+    assert [m.task_id for m in liveness.held_by_dead()] == ["task-2"]
+    assert liveness.any_alive()

@@ -12,9 +12,9 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.tasks import LANE_TASKS
+from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard

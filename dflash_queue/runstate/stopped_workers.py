@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from dflash_queue.runstate.keys import RunKeys
+
 # sysexits' EX_CONFIG: the worker cannot run as it is until someone looks. systemd's Restart=on-failure would
 # restart it into the same failures; the worker units name it in RestartPreventExitStatus=.
 EXIT_FAILING_CHECKS = 78
@@ -47,7 +49,7 @@ class StoppedWorkers:
 
     def __init__(self, client: Any, run_name: str) -> None:
         self.client = client  # decode_responses=True
-        self.key = f"dfq:{run_name}:stopped_workers"
+        self.key = RunKeys(run_name).stopped_workers
 
     def record(self, stopped: StoppedWorker) -> None:
         if not stopped.time:

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.config import Config
 from dflash_queue.doctor.broker import broker_problem
 from dflash_queue.errors import ConfigError
-from dflash_queue.redis_server import RedisServer
 
 URL_FILE = "broker.url"
 

@@ -10,14 +10,14 @@ import pytest
 import redis
 
 from dflash_queue.lanes.registry import GENERATE
-from dflash_queue.ledger import DONE, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
-from dflash_queue.run_identity import MANIFEST_KEY, RunIdentity, RunMismatch
+from dflash_queue.runstate.ledger import DONE, Ledger
+from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, RunMismatch
 from dflash_queue.shards.keys import shard_key
 from dflash_queue.storage import open_storage
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 
 

@@ -20,7 +20,8 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
-from dflash_queue.states import CANARY_ERROR, DONE, FAILED, GENERATED, IN_PROGRESS_OR_DONE, QUEUED
+from dflash_queue.runstate.keys import RunKeys
+from dflash_queue.runstate.shard_states import CANARY_ERROR, DONE, FAILED, GENERATED, IN_PROGRESS_OR_DONE, QUEUED
 
 __all__ = ["CANARY_ERROR", "DONE", "FAILED", "GENERATED", "IN_PROGRESS_OR_DONE", "QUEUED", "Ledger"]
 
@@ -48,19 +49,18 @@ class Ledger:
     def __init__(self, client: redis.Redis, run_name: str) -> None:
         # Made with decode_responses=True: every reply is str (redis-py's types cannot say so).
         self.client: Any = client
-        self.prefix = f"dfq:{run_name}"
-        self.states_key = f"{self.prefix}:shard_state"
-        self.sizes_key = f"{self.prefix}:shard_samples"
-        self.counters_key = f"{self.prefix}:counters"
-        self.failures_key = f"{self.prefix}:failures"
-        self.rate_prefix = f"{self.prefix}:rate:"
+        self.keys = RunKeys(run_name)
+        self.states_key = self.keys.shard_states
+        self.sizes_key = self.keys.shard_samples
+        self.counters_key = self.keys.counters
+        self.failures_key = self.keys.failures
         # When the first progress of this run was recorded: the start of the rate window of a young run.
-        self.first_add_key = f"{self.prefix}:first_add"
-        self.counted_key = f"{self.prefix}:counted"
+        self.first_add_key = self.keys.first_add
+        self.counted_key = self.keys.counted
         # Largest values seen of measurements that are not counts (a canary's relative error).
-        self.maxima_key = f"{self.prefix}:maxima"
-        # What the run's output is made with (dflash_queue.run_identity), as recorded by its first producer.
-        self.identity_key = f"{self.prefix}:identity"
+        self.maxima_key = self.keys.maxima
+        # What the run's output is made with (dflash_queue.runstate.run_identity), as recorded by its first producer.
+        self.identity_key = self.keys.identity
 
     @classmethod
     def from_url(cls, url: str, run_name: str) -> Ledger:
@@ -83,7 +83,7 @@ class Ledger:
         Counted when the task starts, so deliveries whose worker was killed before it could record anything
         (OOM-kill, segfault, SIGKILL) are counted too.
         """
-        key = f"{self.prefix}:delivery:{task_id}:{retries}"
+        key = self.keys.delivery(task_id, retries)
         pipe = self.client.pipeline()
         pipe.incrby(key, by)
         pipe.expire(key, DELIVERY_TTL_S)
@@ -93,7 +93,7 @@ class Ledger:
     def deliveries(self) -> dict[tuple[str, int], int]:
         """How many times each message (task id, retries) was delivered, of those counted in the last
         DELIVERY_TTL_S."""
-        prefix = f"{self.prefix}:delivery:"
+        prefix = self.keys.delivery_prefix
         counts = {}
         for key in self.client.scan_iter(match=prefix + "*", count=1000):
             task_id, retries = key[len(prefix) :].rsplit(":", 1)
@@ -151,7 +151,7 @@ class Ledger:
     def add(self, counts: Mapping[str, int], *, now: float | None = None) -> None:
         """Add to the run's counters and to the current minute's bucket, atomically."""
         now = time.time() if now is None else now
-        bucket_key = self._bucket_key(int(now // RATE_BUCKET_S))
+        bucket_key = self.keys.rate_bucket(int(now // RATE_BUCKET_S))
         pipe = self.client.pipeline()
         for name, value in counts.items():
             if value:
@@ -176,7 +176,7 @@ class Ledger:
         pipe = self.client.pipeline(transaction=False)
         pipe.get(self.first_add_key)
         for bucket in buckets:
-            pipe.hgetall(self._bucket_key(bucket))
+            pipe.hgetall(self.keys.rate_bucket(bucket))
         first_add, *contents = pipe.execute()
         totals: dict[str, int] = {}
         for content in contents:
@@ -186,9 +186,6 @@ class Ledger:
         if first_add is not None:
             start = max(start, float(first_add))
         return WindowTotals(totals, max(0.0, now - start))
-
-    def _bucket_key(self, bucket: int) -> str:
-        return f"{self.rate_prefix}{bucket}"
 
     def counters(self) -> dict[str, int]:
         return {name: int(value) for name, value in self.client.hgetall(self.counters_key).items()}
@@ -208,9 +205,9 @@ class Ledger:
         return self.client.hgetall(self.failures_key)
 
     def reset(self) -> None:
-        buckets = list(self.client.scan_iter(match=f"{self.rate_prefix}*", count=1000))
+        buckets = list(self.client.scan_iter(match=f"{self.keys.rate_prefix}*", count=1000))
         # A live dataset's state (epochs, window, consumers) belongs to the run started over.
-        buckets += list(self.client.scan_iter(match=f"{self.prefix}:live:*", count=1000))
+        buckets += list(self.client.scan_iter(match=f"{self.keys.live_prefix}*", count=1000))
         self.client.delete(
             self.states_key,
             self.sizes_key,

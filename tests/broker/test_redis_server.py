@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from dflash_queue.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
+from dflash_queue.broker.redis_server import REDIS_SERVER_ENV, RedisServer, find_redis_server
 
 
 def without_system_redis(monkeypatch, tmp_path: Path) -> None:

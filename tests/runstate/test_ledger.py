@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from dflash_queue.ledger import RATE_BUCKET_S, RATE_RETENTION_S, Ledger
+from dflash_queue.runstate.ledger import RATE_BUCKET_S, RATE_RETENTION_S, Ledger
 
 START = 28_333_333 * 60.0  # the start of a minute (November 2023)
 

@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
 
 # In the storage root: the output settings of whatever wrote this location.
 MANIFEST_KEY = "dflash-queue-run.json"
 # How the sections of `Config.output_settings` are named in a config file.
 SECTION_NAMES = {"sampling": "generate.sampling"}
+
+
+class OutputSettings(Protocol):
+    """What a run's output is made with (the deployment's `Config` is one): its settings and their hash."""
+
+    def fingerprint(self) -> str: ...
+
+    def output_settings(self) -> dict[str, Any]: ...
 
 
 class RunMismatch(ConfigError):
@@ -34,7 +41,7 @@ class RunIdentity:
     storage: str
 
     @classmethod
-    def of(cls, config: Config, storage_url: str) -> RunIdentity:
+    def of(cls, config: OutputSettings, storage_url: str) -> RunIdentity:
         return cls(config.fingerprint(), config.output_settings(), storage_url)
 
     @property

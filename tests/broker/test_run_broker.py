@@ -12,13 +12,13 @@ import pytest
 import redis
 from click.testing import CliRunner
 
+from dflash_queue.broker.redis_server import RedisServer
+from dflash_queue.broker.run_broker import forget_url, private_broker_dir, private_server, record_url
 from dflash_queue.cli import main
 from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
-from dflash_queue.redis_server import RedisServer
-from dflash_queue.run_broker import forget_url, private_broker_dir, private_server, record_url
 
-REPO = Path(__file__).resolve().parent
-DATASET = REPO.parent / "examples" / "sharegpt_sample.jsonl"
+REPO = Path(__file__).resolve().parents[2]
+DATASET = REPO / "examples" / "sharegpt_sample.jsonl"
 
 
 def dead_letter(shard: str) -> DeadLetter:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dflash_queue.process_identity import ProcessIdentity
+from dflash_queue.queue.process_identity import ProcessIdentity
 
 
 def identity_of_child(child: subprocess.Popen) -> ProcessIdentity:

@@ -1,5 +1,5 @@
-"""Consumption state in Redis: who reads a run's training shards while it extracts, what they acknowledged, the
-window of shards stored but not yet consumed, and the epochs.
+"""A live dataset's window in Redis (`ShardWindow`): the window of shards stored but not yet consumed, who reads a
+run's training shards while it extracts, what they acknowledged, and the epochs.
 
 * An epoch is a set of shards (shard id -> samples), recorded once when it is sealed: epoch 0 by the producer
   (every shard of the dataset), a later one when its extraction is enqueued (`dflash_queue.live.epochs`).
@@ -20,57 +20,55 @@ from typing import Any
 
 import redis
 
-from dflash_queue.ledger import Ledger, resilient_client
-from dflash_queue.states import DONE, FAILED
+from dflash_queue.runstate.keys import RunKeys
+from dflash_queue.runstate.ledger import Ledger, resilient_client
+from dflash_queue.runstate.shard_states import DONE, FAILED
 
 # A rank that has not polled for this long is shown as silent by `status`.
 SILENT_AFTER_S = 120.0
 
 
-class Consumption:
+class ShardWindow:
     def __init__(self, client: redis.Redis, run_name: str) -> None:
         self.client: Any = client  # made with decode_responses=True
-        self.prefix = f"dfq:{run_name}:live"
-        self.window_key = f"{self.prefix}:window"
-        self.consumers_key = f"{self.prefix}:consumers"
-        self.waiting_key = f"{self.prefix}:waiting"
+        self.keys = RunKeys(run_name)
+        self.window_key = self.keys.window
+        self.consumers_key = self.keys.consumers
+        self.waiting_key = self.keys.waiting
 
     @classmethod
-    def from_url(cls, url: str, run_name: str) -> Consumption:
+    def from_url(cls, url: str, run_name: str) -> ShardWindow:
         return cls(resilient_client(url), run_name)
 
     # -- epochs
-
-    def _epoch_key(self, epoch: int, what: str) -> str:
-        return f"{self.prefix}:epoch:{epoch}:{what}"
 
     def seal_epoch(self, epoch: int, sizes: dict[str, int]) -> None:
         """Record the epoch's shards (added to any recorded before) and mark it sealed."""
         pipe = self.client.pipeline()
         if sizes:
-            pipe.hset(self._epoch_key(epoch, "shards"), mapping=sizes)
-        pipe.set(self._epoch_key(epoch, "sealed"), repr(time.time()), nx=True)
+            pipe.hset(self.keys.epoch_shards(epoch), mapping=sizes)
+        pipe.set(self.keys.epoch_sealed(epoch), repr(time.time()), nx=True)
         pipe.execute()
 
     def epoch_shards(self, epoch: int) -> dict[str, int] | None:
         """shard id -> samples of a sealed epoch; None while it is not."""
         pipe = self.client.pipeline(transaction=False)
-        pipe.exists(self._epoch_key(epoch, "sealed"))
-        pipe.hgetall(self._epoch_key(epoch, "shards"))
+        pipe.exists(self.keys.epoch_sealed(epoch))
+        pipe.hgetall(self.keys.epoch_shards(epoch))
         sealed, shards = pipe.execute()
         return {shard: int(n) for shard, n in shards.items()} if sealed else None
 
     def claim_epoch(self, epoch: int) -> bool:
         """Whether this caller is the one to enqueue the epoch's extraction (once per epoch)."""
-        return bool(self.client.set(self._epoch_key(epoch, "claimed"), repr(time.time()), nx=True))
+        return bool(self.client.set(self.keys.epoch_claimed(epoch), repr(time.time()), nx=True))
 
     def unclaim_epoch(self, epoch: int) -> None:
-        self.client.delete(self._epoch_key(epoch, "claimed"))
+        self.client.delete(self.keys.epoch_claimed(epoch))
 
     def last_epoch(self) -> int:
         """The latest sealed epoch (0 before any is)."""
         epoch = 0
-        while self.client.exists(self._epoch_key(epoch + 1, "sealed")):
+        while self.client.exists(self.keys.epoch_sealed(epoch + 1)):
             epoch += 1
         return epoch
 
@@ -78,23 +76,23 @@ class Consumption:
         """The shard's position in the order its epoch's shards were stored, given once (a shard stored twice keeps
         its first). Ranks take shards by position, round robin: whichever shard is stored next goes to the next
         rank, so no rank waits on a shard while the window is full of the others'."""
-        return int(self.client.eval(_RECORD_STORED, 2, self._epoch_key(epoch, "stored"), self._epoch_key(epoch, "count"), shard_id))
+        return int(self.client.eval(_RECORD_STORED, 2, self.keys.epoch_stored(epoch), self.keys.epoch_stored_count(epoch), shard_id))
 
     def stored_since(self, epoch: int, position: int) -> list[tuple[str, int]]:
         """(shard id, position) of the epoch's shards stored at `position` and after, in order."""
-        found = self.client.zrange(self._epoch_key(epoch, "stored"), position, "+inf", byscore=True, withscores=True)
+        found = self.client.zrange(self.keys.epoch_stored(epoch), position, "+inf", byscore=True, withscores=True)
         return [(shard_id, int(score)) for shard_id, score in found]
 
     def set_epoch_state(self, epoch: int, shard_id: str, state: str, error: str = "") -> None:
         """A later epoch's shard state (epoch 0's are the ledger's)."""
         pipe = self.client.pipeline()
-        pipe.hset(self._epoch_key(epoch, "state"), shard_id, state)
+        pipe.hset(self.keys.epoch_states(epoch), shard_id, state)
         if error:
-            pipe.hset(self._epoch_key(epoch, "failures"), shard_id, error)
+            pipe.hset(self.keys.epoch_failures(epoch), shard_id, error)
         pipe.execute()
 
     def epoch_states(self, epoch: int) -> dict[str, str]:
-        return self.client.hgetall(self._epoch_key(epoch, "state"))
+        return self.client.hgetall(self.keys.epoch_states(epoch))
 
     # -- consumers
 
@@ -118,30 +116,27 @@ class Consumption:
     def consumers(self) -> dict[str, dict[str, Any]]:
         return {name: json.loads(fields) for name, fields in self.client.hgetall(self.consumers_key).items()}
 
-    def _acked_key(self, consumer: str, epoch: int) -> str:
-        return f"{self.prefix}:acked:{consumer}:{epoch}"
-
     def seen(self, consumer: str, rank: int, epoch: int) -> None:
         """A rank's heartbeat: when it last looked for shards, and in which epoch."""
-        self.client.hset(f"{self.prefix}:seen:{consumer}", str(rank), json.dumps({"at": time.time(), "epoch": epoch}))
+        self.client.hset(self.keys.ranks_seen(consumer), str(rank), json.dumps({"at": time.time(), "epoch": epoch}))
 
     def ranks_seen(self, consumer: str) -> dict[int, dict[str, float]]:
-        return {int(r): json.loads(v) for r, v in self.client.hgetall(f"{self.prefix}:seen:{consumer}").items()}
+        return {int(r): json.loads(v) for r, v in self.client.hgetall(self.keys.ranks_seen(consumer)).items()}
 
     def acknowledge(self, consumer: str, epoch: int, shard_id: str) -> bool:
         """Record the shard consumed by `consumer`; returns whether every registered consumer now has it."""
-        self.client.sadd(self._acked_key(consumer, epoch), shard_id)
+        self.client.sadd(self.keys.acknowledged(consumer, epoch), shard_id)
         return self.everyone_acknowledged(epoch, shard_id)
 
     def everyone_acknowledged(self, epoch: int, shard_id: str) -> bool:
         names = self.client.hkeys(self.consumers_key)
         check = self.client.pipeline(transaction=False)
         for name in names:
-            check.sismember(self._acked_key(name, epoch), shard_id)
+            check.sismember(self.keys.acknowledged(name, epoch), shard_id)
         return bool(names) and all(check.execute())
 
     def acknowledged(self, consumer: str, epoch: int) -> set[str]:
-        return self.client.smembers(self._acked_key(consumer, epoch))
+        return self.client.smembers(self.keys.acknowledged(consumer, epoch))
 
     # -- the window
 
@@ -175,7 +170,7 @@ class Consumption:
         return json.loads(raw) if raw else None
 
 
-def epoch_states(consumption: Consumption, ledger: Ledger, epoch: int, shard_ids: Sequence[str]) -> dict[str, str]:
+def epoch_states(consumption: ShardWindow, ledger: Ledger, epoch: int, shard_ids: Sequence[str]) -> dict[str, str]:
     """Where each shard of the epoch stands (epoch 0: the run's ledger)."""
     if epoch == 0:
         return ledger.states(shard_ids)

@@ -31,7 +31,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_queue.process_identity import ProcessIdentity
+from dflash_queue.queue.process_identity import ProcessIdentity
+from dflash_queue.runstate.keys import RunKeys
 
 
 @dataclass(frozen=True)
@@ -85,60 +86,48 @@ class Liveness:
 
     def __init__(self, client: Any, run_name: str, ttl_s: int) -> None:
         self.client = client  # decode_responses=True
-        self.prefix = f"dfq:{run_name}"
+        self.keys = RunKeys(run_name)
         self.ttl_s = ttl_s
-
-    def _alive(self, incarnation: str) -> str:
-        return f"{self.prefix}:alive:{incarnation}"
-
-    def _held(self, incarnation: str) -> str:
-        return f"{self.prefix}:held:{incarnation}"
-
-    def _registry(self) -> str:
-        return f"{self.prefix}:incarnations"
-
-    def _seen(self) -> str:
-        return f"{self.prefix}:last_seen"
 
     def register(self, incarnation: Incarnation) -> None:
         """A worker process starting: recorded, with its first heartbeat."""
-        self.client.hset(self._registry(), incarnation.id, incarnation.to_json())
+        self.client.hset(self.keys.incarnations, incarnation.id, incarnation.to_json())
         self.beat(incarnation.id)
 
     def beat(self, incarnation: str, *, now: float | None = None) -> None:
         now = time.time() if now is None else now
         pipe = self.client.pipeline()
-        pipe.set(self._alive(incarnation), repr(now), ex=self.ttl_s)
-        pipe.hset(self._seen(), incarnation, repr(now))
+        pipe.set(self.keys.alive(incarnation), repr(now), ex=self.ttl_s)
+        pipe.hset(self.keys.last_seen, incarnation, repr(now))
         pipe.execute()
 
     def took(self, incarnation: str, task_id: str, tag: str, queue: str, shard_id: str) -> None:
         self.client.hset(
-            self._held(incarnation), task_id, json.dumps({"tag": tag, "queue": queue, "shard": shard_id})
+            self.keys.held(incarnation), task_id, json.dumps({"tag": tag, "queue": queue, "shard": shard_id})
         )
 
     def done(self, incarnation: str, task_id: str) -> None:
-        self.client.hdel(self._held(incarnation), task_id)
+        self.client.hdel(self.keys.held(incarnation), task_id)
 
     def leave(self, incarnation: str) -> None:
         """A worker stopping warmly (its messages go back by kombu's own hand), or a dead incarnation whose messages
         were put back: none of its records is left."""
         pipe = self.client.pipeline()
-        pipe.delete(self._alive(incarnation), self._held(incarnation))
-        pipe.hdel(self._registry(), incarnation)
-        pipe.hdel(self._seen(), incarnation)
+        pipe.delete(self.keys.alive(incarnation), self.keys.held(incarnation))
+        pipe.hdel(self.keys.incarnations, incarnation)
+        pipe.hdel(self.keys.last_seen, incarnation)
         pipe.execute()
 
     def incarnations(self) -> dict[str, Incarnation]:
         """Every registered incarnation, live or dead, and any that holds records without being registered."""
-        found = {i: Incarnation.from_json(i, raw) for i, raw in self.client.hgetall(self._registry()).items()}
-        for key in self.client.scan_iter(match=self._held("*"), count=1000):
-            incarnation = key[len(self._held("")) :]
+        found = {i: Incarnation.from_json(i, raw) for i, raw in self.client.hgetall(self.keys.incarnations).items()}
+        for key in self.client.scan_iter(match=self.keys.held_prefix + "*", count=1000):
+            incarnation = key[len(self.keys.held_prefix) :]
             found.setdefault(incarnation, Incarnation.from_json(incarnation, "{}"))
         return found
 
     def heartbeat_fresh(self, incarnation: str) -> bool:
-        return bool(self.client.exists(self._alive(incarnation)))
+        return bool(self.client.exists(self.keys.alive(incarnation)))
 
     def is_dead(self, incarnation: Incarnation) -> bool:
         """Its heartbeat expired, or its process is seen gone."""
@@ -169,9 +158,9 @@ class Liveness:
 
     def held_by(self, incarnations: list[Incarnation]) -> list[HeldMessage]:
         held = []
-        seen = self.client.hgetall(self._seen())
+        seen = self.client.hgetall(self.keys.last_seen)
         for incarnation in incarnations:
-            for task_id, raw in self.client.hgetall(self._held(incarnation.id)).items():
+            for task_id, raw in self.client.hgetall(self.keys.held(incarnation.id)).items():
                 fields = json.loads(raw)
                 held.append(
                     HeldMessage(

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from dflash_queue.runstate.keys import RunKeys
+
 log = logging.getLogger(__name__)
 
 REFRESH_S = 5.0
@@ -46,14 +48,15 @@ class ServerWaits:
 
     def __init__(self, client: Any, run_name: str) -> None:
         self.client = client
-        self.prefix = f"dfq:{run_name}:servers_down:"
+        self.keys = RunKeys(run_name)
+        self.prefix = self.keys.servers_down_prefix
 
     def note(self, worker: str, since: float, servers: dict[str, str], ttl_s: float) -> None:
         record = json.dumps({"since": since, "servers": servers})
-        self.client.set(self.prefix + worker, record, ex=max(1, int(ttl_s)))
+        self.client.set(self.keys.servers_down(worker), record, ex=max(1, int(ttl_s)))
 
     def clear(self, worker: str) -> None:
-        self.client.delete(self.prefix + worker)
+        self.client.delete(self.keys.servers_down(worker))
 
     def all(self) -> list[ServersDown]:
         found = []
