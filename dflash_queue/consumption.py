@@ -118,6 +118,58 @@ class Consumption:
     def consumers(self) -> dict[str, dict[str, Any]]:
         return {name: json.loads(fields) for name, fields in self.client.hgetall(self.consumers_key).items()}
 
+    def want_epochs(self, consumer: str, epochs: int) -> None:
+        """How many epochs the consumer trains (the most any of its processes asked for): `dflash-queue run`
+        stays up, extracting them, until the consumer has consumed them."""
+        self.client.eval(_AT_LEAST, 1, f"{self.prefix}:epochs_wanted", consumer, epochs)
+
+    def epochs_wanted(self) -> dict[str, int]:
+        return {name: int(n) for name, n in self.client.hgetall(f"{self.prefix}:epochs_wanted").items()}
+
+    def part_finished(self, consumer: str, rank: int, part: tuple[int, int]) -> None:
+        """One reader of a rank (the rank itself, or one of its DataLoader workers: `part`) served its last epoch."""
+        index, count = part
+        self.client.hset(f"{self.prefix}:finished:{consumer}", f"{rank}:{index}", str(count))
+
+    def ranks_finished(self, consumer: str) -> set[int]:
+        """Ranks of the consumer every reader of which served its last epoch."""
+        parts: dict[int, dict[int, int]] = {}
+        for field, count in self.client.hgetall(f"{self.prefix}:finished:{consumer}").items():
+            rank, _, index = field.partition(":")
+            parts.setdefault(int(rank), {})[int(index)] = int(count)
+        return {rank for rank, found in parts.items() if set(found) >= set(range(max(found.values())))}
+
+    def to_go(self, ledger: Ledger) -> dict[str, str]:
+        """consumer -> what it still has to do, for each registered consumer that wants epochs not yet all
+        extracted, acknowledged and finished by every one of its ranks (with the places of its shards given back)."""
+        found = {}
+        consumers = self.consumers()
+        for name, epochs in sorted(self.epochs_wanted().items()):
+            if name not in consumers:
+                continue
+            world_size = int(consumers[name].get("world_size", 1))
+            for epoch in range(epochs):
+                shards = self.epoch_shards(epoch)
+                if shards is None:
+                    found[name] = f"epoch {epoch} of {epochs} not started"
+                    break
+                states = epoch_states(self, ledger, epoch, list(shards))
+                unsettled = [s for s in shards if not settled(states.get(s))]
+                if unsettled:
+                    found[name] = f"epoch {epoch}: {len(unsettled)} of {len(shards)} shards not extracted yet"
+                    break
+                acknowledged = self.acknowledged(name, epoch)
+                unread = [s for s in shards if states.get(s) == DONE and s not in acknowledged]
+                held = self.places_held(epoch, list(shards))
+                if unread or held:
+                    found[name] = f"epoch {epoch}: {len(unread) or len(held)} of {len(shards)} shards not consumed yet"
+                    break
+            else:
+                finished = self.ranks_finished(name)
+                if len(finished) < world_size:
+                    found[name] = f"{len(finished)} of {world_size} ranks finished"
+        return found
+
     def _acked_key(self, consumer: str, epoch: int) -> str:
         return f"{self.prefix}:acked:{consumer}:{epoch}"
 
@@ -194,6 +246,12 @@ if known then return tonumber(known) end
 local position = redis.call('INCR', KEYS[2]) - 1
 redis.call('ZADD', KEYS[1], position, ARGV[1])
 return position
+"""
+
+_AT_LEAST = """
+local known = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > known then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
 """
 
 _TAKE_PLACE = """

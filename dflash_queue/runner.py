@@ -1,4 +1,5 @@
-"""Single-box run: a private broker if none is configured, one worker per lane, enqueue, wait, stop, summarise."""
+"""Single-box run: a private broker if none is configured, one worker per lane, enqueue, wait (and stay up while a
+trainer following the run has epochs to go), stop, summarise."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.consumption import Consumption
 from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
@@ -100,6 +102,40 @@ def stop_workers(workers: list[WorkerProcess], console: Console, timeout: float)
         raise
 
 
+def _check_alive(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        if not worker.alive():
+            error = worker.error()
+            raise RunFailed(
+                f"the {worker.lane} worker exited with code {worker.process.returncode}"
+                + (f": {error}" if error else "")
+                + f"; log {worker.log_path}:\n{worker.log_tail()}"
+            )
+
+
+# After the last consumer is done, the run's broker stays up this long: a trainer's last calls (a place given back
+# after its last acknowledgement) reach it.
+CONSUMERS_GRACE_S = 3.0
+
+
+def serve_consumers(
+    consumption: Consumption, ledger: Ledger, workers: list[WorkerProcess], console: Console, poll_s: float
+) -> None:
+    """Once the job's shards are done, stay up (broker and workers) while a registered consumer still has epochs to
+    go: its ranks start them, the extract worker extracts them, and they need the broker until they finish."""
+    said = ""
+    while to_go := consumption.to_go(ledger):
+        now = "; ".join(f"consumer {name}: {what}" for name, what in to_go.items())
+        if now != said:
+            console.print(f"staying up for training ({now}); Ctrl-C stops, `run` again resumes")
+            said = now
+        _check_alive(workers)
+        time.sleep(poll_s)
+    if said:
+        console.print("every consumer has trained its epochs")
+        time.sleep(CONSUMERS_GRACE_S)
+
+
 def run_single_box(
     config_path: Path,
     config: Config,
@@ -172,15 +208,9 @@ def run_single_box(
                 if len(finished) == len(pending):
                     failed = {s: ledger.failure(s) for s, state in states.items() if state == FAILED}
                     break
-                for worker in workers:
-                    if not worker.alive():
-                        error = worker.error()
-                        raise RunFailed(
-                            f"the {worker.lane} worker exited with code {worker.process.returncode}"
-                            + (f": {error}" if error else "")
-                            + f"; log {worker.log_path}:\n{worker.log_tail()}"
-                        )
+                _check_alive(workers)
                 time.sleep(poll_s)
+            serve_consumers(Consumption(ledger.client, config.run.name), ledger, workers, console, poll_s)
 
         after = ledger.counters()
         canary_worst = ledger.maxima().get(CANARY_ERROR)
