@@ -8,7 +8,9 @@ window of shards stored but not yet consumed, and the epochs.
   consumed, per epoch. The acknowledged sets are the consumer's cursor: a restarted rank skips them.
 * The window (extract.max_unconsumed_shards): a shard takes a place before it is extracted and gives it back
   once every registered consumer acknowledged it (or its extraction failed for good). A place is held per
-  (epoch, shard), so a re-delivered task takes the place it already holds.
+  (epoch, shard), so a re-delivered task takes the place it already holds. A place is given back only after
+  what shows the shard stored or consumed is in storage (the training file, or the record a deleted one leaves):
+  a second delivery of a shard's task that takes a place anew looks again, and gives it back at once if so.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import redis
 
 from dflash_queue.ledger import Ledger, resilient_client
 from dflash_queue.states import DONE, FAILED
+
+# What take_place answers when it gives a place: the shard holds one already, or it took one now.
+HELD = 1
+TAKEN = 2
 
 # A rank that has not polled for this long is shown as silent by `status`.
 SILENT_AFTER_S = 120.0
@@ -201,9 +207,10 @@ class Consumption:
     def _place(epoch: int, shard_id: str) -> str:
         return f"{epoch}:{shard_id}"
 
-    def take_place(self, epoch: int, shard_id: str, size: int) -> bool:
-        """A place in a window of `size` for the shard (True at once when it already holds one)."""
-        return bool(self.client.eval(_TAKE_PLACE, 1, self.window_key, self._place(epoch, shard_id), size))
+    def take_place(self, epoch: int, shard_id: str, size: int) -> int:
+        """A place in a window of `size` for the shard: TAKEN (it had none), HELD (it already holds one: another
+        delivery of its task took it), or 0 when the window is full."""
+        return int(self.client.eval(_TAKE_PLACE, 1, self.window_key, self._place(epoch, shard_id), size))
 
     def give_back_place(self, epoch: int, shard_id: str) -> None:
         self.client.srem(self.window_key, self._place(epoch, shard_id))
@@ -214,6 +221,11 @@ class Consumption:
             return set()
         held = self.client.smismember(self.window_key, [self._place(epoch, s) for s in ids])
         return {s for s, member in zip(ids, held, strict=True) if member}
+
+    def places(self) -> list[tuple[int, str]]:
+        """(epoch, shard id) of every place held in the window."""
+        held = [place.split(":", 1) for place in self.client.smembers(self.window_key)]
+        return sorted((int(epoch), shard_id) for epoch, shard_id in held)
 
     def window_fill(self) -> int:
         return int(self.client.scard(self.window_key))
@@ -258,7 +270,7 @@ _TAKE_PLACE = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
 if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then
   redis.call('SADD', KEYS[1], ARGV[1])
-  return 1
+  return 2
 end
 return 0
 """
