@@ -15,13 +15,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.consumption import Consumption
 from dflash_queue.lanes.canaries import canary_notes
-from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.registry import FINAL_LANE, LANES
 from dflash_queue.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.producer import Producer
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
+from dflash_queue.reextraction import check_reextraction, stage_reextraction
 from dflash_queue.run_broker import forget_url, private_server, record_url
 from dflash_queue.run_lock import RunLock
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
@@ -144,9 +145,13 @@ def run_single_box(
     console: Console | None = None,
     poll_s: float = 0.5,
     rebuild: bool = False,
+    reextract_from: Config | None = None,
 ) -> RunSummary:
     """`rebuild`: see `Producer.enqueue` (storage alone decides what is done; a run name made with another
-    config is started over)."""
+    config is started over). `reextract_from`: instead of enqueueing `datasets`, extract that job's stored
+    completions again with this config's extract settings (dflash_queue/reextraction.py): no generate worker."""
+    if reextract_from is not None:
+        check_reextraction(reextract_from, config)
     console = console or Console(stderr=True)
     started = time.monotonic()
     # A thinking policy the template cannot honour stops the run before anything starts.
@@ -185,7 +190,8 @@ def run_single_box(
         before = ledger.counters()
 
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
-        workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in LANES]
+        lanes = [FINAL_LANE.name] if reextract_from is not None else list(LANES)
+        workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in lanes]
         stack.callback(stop_workers, workers, console, config.broker.task_timeout_s)
         for worker in workers:
             lock.record_child(f"{worker.lane} worker", worker.pid)
@@ -196,7 +202,12 @@ def run_single_box(
         )
         with progress:
             staging = progress.add_task("enqueue  (samples)", total=None)
-            report = producer.enqueue(datasets, on_shard=lambda n: progress.advance(staging, n), rebuild=rebuild)
+            if reextract_from is not None:
+                report = stage_reextraction(
+                    reextract_from, config, ledger, producer.storage, on_shard=lambda n: progress.advance(staging, n)
+                )
+            else:
+                report = producer.enqueue(datasets, on_shard=lambda n: progress.advance(staging, n), rebuild=rebuild)
             progress.update(staging, total=report.samples, completed=report.samples)
             pending = set(report.shard_ids)
             done_task = progress.add_task("complete (shards) ", total=len(pending))
