@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -28,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dflash_queue.config import load_config  # noqa: E402
-from dflash_queue.consumption import Consumption  # noqa: E402
+from dflash_queue.consumption import Consumption, epoch_states  # noqa: E402
 from dflash_queue.faults import ENV  # noqa: E402
 from dflash_queue.lanes.registry import FINAL_LANE  # noqa: E402
 from dflash_queue.ledger import Ledger  # noqa: E402
@@ -37,6 +38,7 @@ from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
 from dflash_queue.queue.tasks import send_to_lane  # noqa: E402
 from dflash_queue.redis_server import RedisServer  # noqa: E402
+from dflash_queue.states import DONE, GENERATED  # noqa: E402
 from dfq_testing.configs import tiny_config_tables, write_config  # noqa: E402
 from dfq_testing.jobs import dataset_ids, first_lines  # noqa: E402
 from dfq_testing.live_ranks import random_delay, stored_training_files, train_two_ranks  # noqa: E402
@@ -47,8 +49,8 @@ WINDOW = 2
 
 
 class Duplicator(threading.Thread):
-    """Sends a shard's extract message again, now and then, for shards of the epoch being extracted: a message
-    delivered twice."""
+    """Sends a shard's extract message again, now and then, for shards of the epoch being extracted whose message
+    was sent: a message delivered twice."""
 
     def __init__(self, config, rng: random.Random, every_s: tuple[float, float]) -> None:
         super().__init__(daemon=True)
@@ -58,18 +60,23 @@ class Duplicator(threading.Thread):
 
     def run(self) -> None:
         consumption = Consumption.from_url(self.config.broker.connection_url(), self.config.run.name)
+        ledger = Ledger(consumption.client, self.config.run.name)
         fingerprint = self.config.fingerprint()
         while not self.stopped.wait(self.rng.uniform(*self.every_s)):
             epoch = consumption.last_epoch()
             shards = consumption.epoch_shards(epoch) or {}
-            if shards:
-                shard_id = self.rng.choice(sorted(shards))
+            # Only shards whose extract message was sent (generated, or extracted already): a second delivery.
+            states = epoch_states(consumption, ledger, epoch, list(shards))
+            sent = sorted(s for s, state in states.items() if state in (GENERATED, DONE))
+            if sent:
+                shard_id = self.rng.choice(sent)
                 send_to_lane(FINAL_LANE.name, shard_id, shards[shard_id], fingerprint, epoch=epoch)
                 self.sent += 1
 
 
 def repetition(number: int, root: Path, model: Path, broker_url: str, args, rng: random.Random) -> dict:
     work = root / f"rep{number}"
+    work.mkdir(parents=True)
     tables = tiny_config_tables(model, work / "storage", broker_url, work / "state")
     tables["run"]["name"] = f"stress-{number}"
     config = load_config(write_config(
@@ -133,6 +140,8 @@ def main() -> None:
     parser.add_argument("--deadline-s", type=float, default=300.0)
     parser.add_argument("--model", type=Path, default=None, help="A tiny model already built")
     args = parser.parse_args()
+    # Stopped (SIGTERM), it stops the workers and the broker it started, as on Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(args.seed)
     failed = 0
     with tempfile.TemporaryDirectory(prefix="dfq-stress-live-") as tmp:
