@@ -56,7 +56,7 @@ def test_two_ranks_train_while_it_extracts_two_epochs_within_the_window(make_con
     storage_root = Path(config.storage.url)
 
     # Fails well within pytest's timeout, with the window, the ranks and the queues shown, if the ranks stall.
-    result = train_two_ranks(config, deadline_s=300, logs=lambda: "\n".join(w.log_tail() for w in workers))
+    result = train_two_ranks(config, deadline_s=420, logs=lambda: "\n".join(w.log_tail() for w in workers))
     assert not result.errors, result.errors
     seen, shards_per_rank, fills = result.seen, result.shards_per_rank, result.fills
 
