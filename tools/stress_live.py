@@ -67,7 +67,9 @@ class Duplicator(threading.Thread):
             shards = consumption.epoch_shards(epoch) or {}
             # Only shards whose extract message was sent (generated, or extracted already): a second delivery.
             states = epoch_states(consumption, ledger, epoch, list(shards))
-            sent = sorted(s for s, state in states.items() if state in (GENERATED, DONE))
+            # Shards still waiting for extraction first: their second delivery races the first through the window.
+            waiting = sorted(s for s, state in states.items() if state == GENERATED)
+            sent = waiting or sorted(s for s, state in states.items() if state == DONE)
             if sent:
                 shard_id = self.rng.choice(sent)
                 send_to_lane(FINAL_LANE.name, shard_id, shards[shard_id], fingerprint, epoch=epoch)
