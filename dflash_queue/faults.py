@@ -9,6 +9,7 @@ installed says so in its metadata (`injected_faults`). The faults, a JSON object
   {"extract_poison": ["<sample id>", ...]}   the extract engine "crashes" on any batch holding one of these
   {"generate_poison": ["<sample id>", ...]}  the same for the generate engine
   {"task_delay_s": 2.0}                      every lane task sleeps this long before its work
+  {"task_delay_s": [0.0, 1.5]}               ... a random time between these
   {"kill_on_shards": ["<shard id>", ...]}    the worker SIGKILLs itself when a task for one of these starts
   {"extract_break_packing": true}           the extract lane's packed sequences see each other (after the
                                             engine's load probe), so that the run-time canary must catch it;
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from collections.abc import Iterable
@@ -106,7 +108,11 @@ def check_poison(lane: str, sample_ids: Iterable[str]) -> None:
 
 
 def task_delay() -> None:
-    delay = float(_faults().get("task_delay_s", 0))
+    configured = _faults().get("task_delay_s", 0)
+    if isinstance(configured, (list, tuple)):  # [low, high]: a random delay between them
+        delay = random.uniform(float(configured[0]), float(configured[1]))
+    else:
+        delay = float(configured)
     if delay > 0:
         time.sleep(delay)
 

@@ -1,4 +1,5 @@
-"""Single-box run: a private broker if none is configured, one worker per lane, enqueue, wait, stop, summarise."""
+"""Single-box run: a private broker if none is configured, one worker per lane, enqueue, wait (and stay up while a
+trainer following the run has epochs to go), stop, summarise."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_queue.broker.run_broker import forget_url, private_server, record_url
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.canaries import canary_notes
-from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.registry import FINAL_LANE, LANES
 from dflash_queue.producer import Producer
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
+from dflash_queue.reextraction import check_reextraction, stage_reextraction
 from dflash_queue.run_lock import RunLock
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
+from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
 from dflash_queue.staging import EnqueueReport, checked_formatter
 
@@ -100,6 +103,40 @@ def stop_workers(workers: list[WorkerProcess], console: Console, timeout: float)
         raise
 
 
+def _check_alive(workers: list[WorkerProcess]) -> None:
+    for worker in workers:
+        if not worker.alive():
+            error = worker.error()
+            raise RunFailed(
+                f"the {worker.lane} worker exited with code {worker.process.returncode}"
+                + (f": {error}" if error else "")
+                + f"; log {worker.log_path}:\n{worker.log_tail()}"
+            )
+
+
+# After the last consumer is done, the run's broker stays up this long: a trainer's last calls (a place given back
+# after its last acknowledgement) reach it.
+CONSUMERS_GRACE_S = 3.0
+
+
+def serve_consumers(
+    consumption: ShardWindow, ledger: Ledger, workers: list[WorkerProcess], console: Console, poll_s: float
+) -> None:
+    """Once the job's shards are done, stay up (broker and workers) while a registered consumer still has epochs to
+    go: its ranks start them, the extract worker extracts them, and they need the broker until they finish."""
+    said = ""
+    while to_go := consumption.to_go(ledger):
+        now = "; ".join(f"consumer {name}: {what}" for name, what in to_go.items())
+        if now != said:
+            console.print(f"staying up for training ({now}); Ctrl-C stops, `run` again resumes")
+            said = now
+        _check_alive(workers)
+        time.sleep(poll_s)
+    if said:
+        console.print("every consumer has trained its epochs")
+        time.sleep(CONSUMERS_GRACE_S)
+
+
 def run_single_box(
     config_path: Path,
     config: Config,
@@ -108,9 +145,13 @@ def run_single_box(
     console: Console | None = None,
     poll_s: float = 0.5,
     rebuild: bool = False,
+    reextract_from: Config | None = None,
 ) -> RunSummary:
     """`rebuild`: see `Producer.enqueue` (storage alone decides what is done; a run name made with another
-    config is started over)."""
+    config is started over). `reextract_from`: instead of enqueueing `datasets`, extract that job's stored
+    completions again with this config's extract settings (dflash_queue/reextraction.py): no generate worker."""
+    if reextract_from is not None:
+        check_reextraction(reextract_from, config)
     console = console or Console(stderr=True)
     started = time.monotonic()
     # A thinking policy the template cannot honour stops the run before anything starts.
@@ -149,7 +190,8 @@ def run_single_box(
         before = ledger.counters()
 
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
-        workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in LANES]
+        lanes = [FINAL_LANE.name] if reextract_from is not None else list(LANES)
+        workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in lanes]
         stack.callback(stop_workers, workers, console, config.broker.task_timeout_s)
         for worker in workers:
             lock.record_child(f"{worker.lane} worker", worker.pid)
@@ -160,7 +202,12 @@ def run_single_box(
         )
         with progress:
             staging = progress.add_task("enqueue  (samples)", total=None)
-            report = producer.enqueue(datasets, on_shard=lambda n: progress.advance(staging, n), rebuild=rebuild)
+            if reextract_from is not None:
+                report = stage_reextraction(
+                    reextract_from, config, ledger, producer.storage, on_shard=lambda n: progress.advance(staging, n)
+                )
+            else:
+                report = producer.enqueue(datasets, on_shard=lambda n: progress.advance(staging, n), rebuild=rebuild)
             progress.update(staging, total=report.samples, completed=report.samples)
             pending = set(report.shard_ids)
             done_task = progress.add_task("complete (shards) ", total=len(pending))
@@ -172,15 +219,9 @@ def run_single_box(
                 if len(finished) == len(pending):
                     failed = {s: ledger.failure(s) for s, state in states.items() if state == FAILED}
                     break
-                for worker in workers:
-                    if not worker.alive():
-                        error = worker.error()
-                        raise RunFailed(
-                            f"the {worker.lane} worker exited with code {worker.process.returncode}"
-                            + (f": {error}" if error else "")
-                            + f"; log {worker.log_path}:\n{worker.log_tail()}"
-                        )
+                _check_alive(workers)
                 time.sleep(poll_s)
+            serve_consumers(ShardWindow(ledger.client, config.run.name), ledger, workers, console, poll_s)
 
         after = ledger.counters()
         canary_worst = ledger.maxima().get(CANARY_ERROR)

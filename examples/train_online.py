@@ -1,7 +1,10 @@
 """Train a toy DFlash-style drafter on a run while it extracts (dflash_queue.live).
 
-One process, or one per rank under torchrun (gloo on CPU, NCCL on GPUs):
+Beside the job's `dflash-queue run` (with an empty broker.url the trainer finds the run's private broker, and the
+run stays up, extracting the later epochs, until the trainer has consumed its last one) or against workers on a
+broker.url; one process, or one per rank under torchrun (gloo on CPU, NCCL on GPUs):
 
+    dflash-queue run examples/sharegpt_sample.jsonl -c worker_configs/local-cpu.toml &
     python examples/train_online.py -c worker_configs/local-cpu.toml --epochs 2
     torchrun --nproc-per-node 2 examples/train_online.py -c worker_configs/local-cpu.toml --epochs 2
 

@@ -1,11 +1,13 @@
 """The broker of a job that `dflash-queue run` ran with an empty `broker.url`: its private redis-server keeps its
 data (AOF) in the run's state directory (`<run.state_dir>/redis`), so that the commands that read the broker
 (`status`, `dead`, `verify`) answer for that job too: through the run's server while the run is up (it writes its
-URL beside the data), else through a redis-server started on that data for the command's duration.
+URL beside the data), else through a redis-server started on that data for the command's duration. A trainer
+following the run (dflash_queue.live.LiveShards) connects to the run's server, and only while it is up.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +50,26 @@ def _answering(config: Config, url: str) -> bool:
     if problem is not None and problem.refused:
         raise ConfigError(f"{config.source}: {problem.message}")
     return problem is None
+
+
+def running_broker(config: Config, *, wait_s: float = 0.0, poll_s: float = 0.5) -> Config:
+    """`config` with the URL of the private broker of the `dflash-queue run` running this job now (what a trainer
+    following the run connects to), waited for up to `wait_s` (a trainer started just after the run); ConfigError
+    when none answers by then, saying what to start or set."""
+    url_file = private_broker_dir(config) / URL_FILE
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = url_file.read_text(encoding="utf-8").strip() if url_file.is_file() else ""
+        if live and _answering(config, live):
+            return config.with_overrides(broker={"url": live})
+        if time.monotonic() >= deadline:
+            raise ConfigError(
+                f"{config.source}: broker.url is empty and no `dflash-queue run` of this job is running (nothing "
+                f"answers at {url_file} after {wait_s:.0f} s): start `dflash-queue run DATASET -c {config.source}` "
+                "first (run again, it resumes the job and extracts the epochs a trainer asks for), or set broker.url "
+                "(or DFQ_BROKER_URL) to the job's broker"
+            )
+        time.sleep(poll_s)
 
 
 def _has_data(directory: Path) -> bool:

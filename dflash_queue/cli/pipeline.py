@@ -1,4 +1,4 @@
-"""Commands that move work: enqueue, worker, run."""
+"""Commands that move work: enqueue, worker, run, reextract, epoch."""
 
 from __future__ import annotations
 
@@ -132,7 +132,6 @@ def worker(
 def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebuild: bool) -> None:
     """Run the whole job on this machine: broker, one worker per lane, enqueue, wait, summary."""
     from dflash_queue import faults
-    from dflash_queue.runner import RunFailed, run_single_box
 
     config = load(config_path, storage_url=output)
     if config.broker.url:  # else a private broker, started by the run itself
@@ -141,9 +140,15 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
         faults.refuse_uninstalled()
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
+    _run_job(config_path, config, list(datasets), rebuild=rebuild)
+
+
+def _run_job(config_path: Path, config, datasets: list[Path], **options) -> None:
+    from dflash_queue.runner import RunFailed, run_single_box
+
     console = Console(stderr=True)
     try:
-        summary = run_single_box(config_path, config, list(datasets), console=console, rebuild=rebuild)
+        summary = run_single_box(config_path, config, datasets, console=console, **options)
     except (RunFailed, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -153,6 +158,30 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
         click.echo(line)
     if summary.shards_failed or summary.shards_missing:
         sys.exit(1)
+
+
+@click.command()
+@config_option
+@click.option(
+    "--from", "from_path", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="The config of the job whose stored completions are extracted again (its storage is read, never written).",
+)
+@click.option("-o", "--output", default=None, help="Storage for the new output (directory or URL); overrides storage.url.")
+def reextract(config_path: Path, from_path: Path, output: str | None) -> None:
+    """Extract the stored completions of the job FROM made again with this config's extract settings (layers,
+    last_layer_state, hidden_dtype, engine) into a new output, on this machine as `run` does: nothing is generated
+    again. Only extract settings may differ from FROM's; the new output's fingerprint is this config's."""
+    from dflash_queue import faults
+
+    config = load(config_path, storage_url=output)
+    source = load(from_path)
+    if config.broker.url:
+        broker_ready(config, "reextract")
+    try:
+        faults.refuse_uninstalled()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    _run_job(config_path, config, [], reextract_from=source)
 
 
 @click.command()
@@ -189,4 +218,4 @@ def epoch(config_path: Path, number: int | None, seed: int, resend: bool) -> Non
     sys.exit(0 if report.started else 1)
 
 
-COMMANDS = [enqueue, worker, run, epoch]
+COMMANDS = [enqueue, worker, run, reextract, epoch]

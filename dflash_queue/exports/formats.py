@@ -38,6 +38,12 @@ from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
 
 METHODS = ("dflash", "eagle3")
 
+# How to get shards with the settings an export needs, from a job already run: its completions are kept.
+REEXTRACT = (
+    ", from the job's stored completions (nothing is generated again): `dflash-queue reextract -c NEW_CONFIG "
+    "--from CONFIG`, NEW_CONFIG being the job's config with that setting and a storage.url and run.name of its own"
+)
+
 
 class ExportRefused(ConfigError):
     """The shards lack what the trainer reads (the message names the extract setting that adds it)."""
@@ -158,14 +164,14 @@ class SpecForgeEagle3(ExportFormat):
             raise ExportRefused(
                 f"SpecForge's EAGLE-3 draft reads exactly 3 target layers (aux_hidden_state [T, 3·H]); these shards "
                 f"store {len(context)} ({_context_ids(layers, context)}): extract with extract.layer_ids = "
-                f"[1, {n // 2 - 1}, {n - 4}] (EAGLE-3's low, middle and high layers of {n})"
+                f"[1, {n // 2 - 1}, {n - 4}] (EAGLE-3's low, middle and high layers of {n})" + REEXTRACT
             )
         final = layers.position(FINAL_NORM)
         if final is None:
             raise ExportRefused(
                 "SpecForge's EAGLE-3 trainer reads the target's last hidden state after the final norm "
                 "(`hidden_state`, to which it applies only the LM head); these shards lack it: extract with "
-                "extract.final_norm_state = true"
+                "extract.final_norm_state = true" + REEXTRACT
             )
         return Selection(tuple(context), final, tuple(_context_ids(layers, context)))
 
@@ -211,6 +217,7 @@ class Speculators(ExportFormat):
                 "speculators applies the verifier's final norm to the last state of each file, so that state must be "
                 f"decoder layer {layers.num_layers - 1}'s output before the norm (vLLM's aux layer "
                 f"{layers.num_layers}); these shards lack it{after}: extract with extract.last_layer_state = true"
+                + REEXTRACT
             )
         aux = tuple(layer + 1 for layer in _context_ids(layers, context))
         return Selection(tuple(context), last, aux)

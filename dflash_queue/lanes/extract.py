@@ -45,7 +45,7 @@ from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.runstate.shard_states import CANARY_ERROR
-from dflash_queue.runstate.window import ShardWindow
+from dflash_queue.runstate.window import TAKEN, ShardWindow
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key
@@ -164,7 +164,14 @@ class ExtractLane:
             reused = self._stored(shard_id, out_key, epoch)
             if reused is not None:
                 return reused
-        self._take_place(shard_id, epoch)
+        if self._take_place(shard_id, epoch) and not redo:
+            # Another delivery of this shard's task (a message delivered twice) may have stored it, and its
+            # consumers taken it and given its place back, while this one waited: the place taken now would then
+            # never be given back (a place lost to the window for good).
+            reused = self._stored(shard_id, out_key, epoch)
+            if reused is not None:
+                self._give_back_place(shard_id, epoch)
+                return reused
         in_key = completions_key(shard_id)
         records = decode_completions(self.storage.read_bytes(in_key), what=in_key)
         # Samples the quality gate dropped are accounted for in the shard's metadata, never extracted.
@@ -238,6 +245,7 @@ class ExtractLane:
                 )
             stored = self.uploader.upload(staged, out_key)
         stored.result()
+        self._drop_if_consumed(shard_id, out_key, epoch)
         return ExtractSummary(
             shard_id,
             len({rows[i].id for i in ok}),
@@ -264,18 +272,32 @@ class ExtractLane:
             return ExtractSummary(shard_id, len(record.samples), record.num_tokens, 0, skipped=True)
         return None
 
-    def _take_place(self, shard_id: str, epoch: int) -> None:
-        """A place in the window of unconsumed shards, waited for up to WINDOW_WAIT_S (polled, not spun)."""
-        size = self.config.extract.max_unconsumed_shards
-        if not size:
-            return
+    def _window(self) -> ShardWindow:
         if self._consumption is None:
             self._consumption = ShardWindow.from_url(self.config.broker.connection_url(), self.config.run.name)
+        return self._consumption
+
+    def _give_back_place(self, shard_id: str, epoch: int) -> None:
+        self._window().give_back_place(epoch, shard_id)
+
+    def _drop_if_consumed(self, shard_id: str, out_key: str, epoch: int) -> None:
+        """A second delivery that extracted the shard while the first one's file was stored, consumed and deleted
+        has just written it again: deleted again (retention = "until-consumed"), or it would stay for good."""
+        if self.config.storage.retention == "until-consumed" and self.storage.exists(consumed_key(shard_id, epoch)):
+            self.storage.delete(out_key)
+
+    def _take_place(self, shard_id: str, epoch: int) -> bool:
+        """A place in the window of unconsumed shards, waited for up to WINDOW_WAIT_S (polled, not spun); whether
+        it was taken now (False: no window, or the place was already held by another delivery of the task)."""
+        size = self.config.extract.max_unconsumed_shards
+        if not size:
+            return False
+        window = self._window()
         # Well within the visibility timeout: a message held longer would be handed to another worker.
         wait_s = min(WINDOW_WAIT_S, self.config.broker.visibility_timeout_s / 4)
         deadline = time.monotonic() + wait_s
-        while not self._consumption.take_place(epoch, shard_id, size):
-            self._consumption.note_waiting(epoch, shard_id, ttl_s=int(2 * wait_s) + 1)
+        while not (taken := window.take_place(epoch, shard_id, size)):
+            window.note_waiting(epoch, shard_id, ttl_s=int(2 * wait_s) + 1)
             if self._stopping.wait(WINDOW_POLL_S):
                 raise WorkerShuttingDown(f"shard {shard_id}: the worker is shutting down while it waits for the window")
             if time.monotonic() > deadline:
@@ -283,6 +305,7 @@ class ExtractLane:
                     f"shard {shard_id} (epoch {epoch}): {size} shards wait for their consumers "
                     "(extract.max_unconsumed_shards); handed back to the queue"
                 )
+        return taken == TAKEN
 
     @property
     def layer_names(self) -> list[str]:

@@ -35,6 +35,7 @@ from typing import Any, Literal, overload
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dflash_queue.broker.run_broker import running_broker
 from dflash_queue.config import Config, load_config
 from dflash_queue.live.epochs import start_epoch
 from dflash_queue.runstate.ledger import Ledger, resilient_client
@@ -77,13 +78,18 @@ class LiveShards:
         seed: int = 0,
         poll_s: float = 1.0,
         start_epochs: bool = True,
+        run_wait_s: float = 60.0,
         **dataset_options: Any,
     ) -> None:
         """`rank`/`world_size`: default torch.distributed's when it is initialized, else RANK/WORLD_SIZE, else 0/1.
         `epochs`: how many epochs to serve (later ones re-extracted, see `dflash-queue epoch`); `start_epochs`:
-        start them when due (else an operator does). `dataset_options` go to each ShardDataset
-        (`hidden_dtype`, `finish_reasons`, `drop_flagged`, ...)."""
-        self.config = config if isinstance(config, Config) else load_config(Path(config))
+        start them when due (else an operator does). With an empty broker.url the broker is that of the
+        `dflash-queue run` running the job, waited for up to `run_wait_s`. `dataset_options` go to each
+        ShardDataset (`hidden_dtype`, `finish_reasons`, `drop_flagged`, ...)."""
+        config = config if isinstance(config, Config) else load_config(Path(config))
+        if not config.broker.url:
+            config = running_broker(config, wait_s=run_wait_s)
+        self.config = config
         found_rank, found_world = _distributed_rank()
         self.rank = found_rank if rank is None else rank
         self.world_size = found_world if world_size is None else world_size
@@ -130,6 +136,7 @@ class LiveShards:
         self._pid = os.getpid()
         if not self._registered:
             self._consumption.register(self.consumer, world_size=self.world_size, seed=self.seed)
+            self._consumption.want_epochs(self.consumer, self.epochs)
             self._registered = True
 
     @property
@@ -191,6 +198,8 @@ class LiveShards:
                 yield None
             time.sleep(self.poll_s)
         self._start_due(epoch + 1)
+        if epoch == self.epochs - 1:
+            self._consumption.part_finished(self.consumer, self.rank, part)
 
     def samples(
         self, batch_size: int, collate_fn: Callable[[list[dict[str, Any]]], Any] = collate_padded

@@ -40,6 +40,13 @@ class LiveStatus:
     consumers: list[ConsumerStatus]
     # Why extraction waits (None: it does not): the window is full and nobody, or too slow a consumer, frees it.
     waiting: str | None = None
+    # consumer -> what it still has to do of the epochs it trains (`dflash-queue run` stays up for it).
+    to_go: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def pending(self) -> bool:
+        """An epoch started and not all extracted, or a consumer with epochs to go: the run is not finished."""
+        return self.epoch_done + self.epoch_failed < self.epoch_shards or bool(self.to_go)
 
 
 def collect_live(client: redis.Redis, config: Config, *, now: float | None = None) -> LiveStatus | None:
@@ -63,6 +70,7 @@ def collect_live(client: redis.Redis, config: Config, *, now: float | None = Non
         window_size=window,
         window_fill=consumption.window_fill(),
         consumers=[],
+        to_go=consumption.to_go(ledger),
     )
     for name, fields in sorted(consumers.items()):
         seen = consumption.ranks_seen(name)

@@ -256,6 +256,7 @@ def collect_status(
 
     etas = [lane.eta_s for lane in lanes.values()] if states else [None]
     finished = bool(states) and not missing and all(lane.shards_remaining == 0 for lane in lanes.values())
+    finished = finished and not (live is not None and live.pending)
     return RunStatus(
         run=config.run.name,
         broker=redact(config.broker.url),

@@ -64,6 +64,10 @@ def status_table(status: RunStatus) -> Group:
     notes.extend(Text(waiting.describe(status.time), style="yellow") for waiting in status.servers_down)
     if status.finished:
         footer = Text("run finished: every shard has passed every lane", style="green")
+    elif status.live is not None and status.live.pending and all(
+        lane.shards_total and not lane.shards_remaining for lane in status.lanes.values()
+    ):
+        footer = Text(f"every shard has passed every lane; training goes on: epoch {status.live.epoch} and after")
     elif not any(lane.shards_total for lane in status.lanes.values()):
         footer = Text(f"nothing enqueued yet for run {status.run}")
     else:
@@ -161,6 +165,8 @@ def _live_lines(live: LiveStatus) -> list[Text]:
         )
     if not live.consumers:
         lines.append(Text("no consumer registered"))
+    for name, what in live.to_go.items():
+        lines.append(Text(f"training goes on: consumer {name}: {what}"))
     if live.waiting:
         lines.append(Text(live.waiting, style="yellow"))
     return lines

@@ -111,6 +111,15 @@ class RunKeys:
         """Hash: a consumer's rank -> when it last looked for shards, and in which epoch."""
         return f"{self.live_prefix}seen:{consumer}"
 
+    @property
+    def epochs_wanted(self) -> str:
+        """Hash: consumer name -> how many epochs it trains (`run` stays up until they are consumed)."""
+        return f"{self.live_prefix}epochs_wanted"
+
+    def readers_finished(self, consumer: str) -> str:
+        """Hash: `{rank}:{reader index}` -> the rank's reader count, for each reader that served its last epoch."""
+        return f"{self.live_prefix}finished:{consumer}"
+
     def _epoch(self, epoch: int, what: str) -> str:
         return f"{self.live_prefix}epoch:{epoch}:{what}"
 

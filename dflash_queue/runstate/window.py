@@ -8,7 +8,9 @@ run's training shards while it extracts, what they acknowledged, and the epochs.
   consumed, per epoch. The acknowledged sets are the consumer's cursor: a restarted rank skips them.
 * The window (extract.max_unconsumed_shards): a shard takes a place before it is extracted and gives it back
   once every registered consumer acknowledged it (or its extraction failed for good). A place is held per
-  (epoch, shard), so a re-delivered task takes the place it already holds.
+  (epoch, shard), so a re-delivered task takes the place it already holds. A place is given back only after
+  what shows the shard stored or consumed is in storage (the training file, or the record a deleted one leaves):
+  a second delivery of a shard's task that takes a place anew looks again, and gives it back at once if so.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import redis
 from dflash_queue.runstate.keys import RunKeys
 from dflash_queue.runstate.ledger import Ledger, resilient_client
 from dflash_queue.runstate.shard_states import DONE, FAILED
+
+# What take_place answers when it gives a place: the shard holds one already, or it took one now.
+HELD = 1
+TAKEN = 2
 
 # A rank that has not polled for this long is shown as silent by `status`.
 SILENT_AFTER_S = 120.0
@@ -116,6 +122,58 @@ class ShardWindow:
     def consumers(self) -> dict[str, dict[str, Any]]:
         return {name: json.loads(fields) for name, fields in self.client.hgetall(self.consumers_key).items()}
 
+    def want_epochs(self, consumer: str, epochs: int) -> None:
+        """How many epochs the consumer trains (the most any of its processes asked for): `dflash-queue run`
+        stays up, extracting them, until the consumer has consumed them."""
+        self.client.eval(_AT_LEAST, 1, self.keys.epochs_wanted, consumer, epochs)
+
+    def epochs_wanted(self) -> dict[str, int]:
+        return {name: int(n) for name, n in self.client.hgetall(self.keys.epochs_wanted).items()}
+
+    def part_finished(self, consumer: str, rank: int, part: tuple[int, int]) -> None:
+        """One reader of a rank (the rank itself, or one of its DataLoader workers: `part`) served its last epoch."""
+        index, count = part
+        self.client.hset(self.keys.readers_finished(consumer), f"{rank}:{index}", str(count))
+
+    def ranks_finished(self, consumer: str) -> set[int]:
+        """Ranks of the consumer every reader of which served its last epoch."""
+        parts: dict[int, dict[int, int]] = {}
+        for field, count in self.client.hgetall(self.keys.readers_finished(consumer)).items():
+            rank, _, index = field.partition(":")
+            parts.setdefault(int(rank), {})[int(index)] = int(count)
+        return {rank for rank, found in parts.items() if set(found) >= set(range(max(found.values())))}
+
+    def to_go(self, ledger: Ledger) -> dict[str, str]:
+        """consumer -> what it still has to do, for each registered consumer that wants epochs not yet all
+        extracted, acknowledged and finished by every one of its ranks (with the places of its shards given back)."""
+        found = {}
+        consumers = self.consumers()
+        for name, epochs in sorted(self.epochs_wanted().items()):
+            if name not in consumers:
+                continue
+            world_size = int(consumers[name].get("world_size", 1))
+            for epoch in range(epochs):
+                shards = self.epoch_shards(epoch)
+                if shards is None:
+                    found[name] = f"epoch {epoch} of {epochs} not started"
+                    break
+                states = epoch_states(self, ledger, epoch, list(shards))
+                unsettled = [s for s in shards if not settled(states.get(s))]
+                if unsettled:
+                    found[name] = f"epoch {epoch}: {len(unsettled)} of {len(shards)} shards not extracted yet"
+                    break
+                acknowledged = self.acknowledged(name, epoch)
+                unread = [s for s in shards if states.get(s) == DONE and s not in acknowledged]
+                held = self.places_held(epoch, list(shards))
+                if unread or held:
+                    found[name] = f"epoch {epoch}: {len(unread) or len(held)} of {len(shards)} shards not consumed yet"
+                    break
+            else:
+                finished = self.ranks_finished(name)
+                if len(finished) < world_size:
+                    found[name] = f"{len(finished)} of {world_size} ranks finished"
+        return found
+
     def seen(self, consumer: str, rank: int, epoch: int) -> None:
         """A rank's heartbeat: when it last looked for shards, and in which epoch."""
         self.client.hset(self.keys.ranks_seen(consumer), str(rank), json.dumps({"at": time.time(), "epoch": epoch}))
@@ -144,9 +202,10 @@ class ShardWindow:
     def _place(epoch: int, shard_id: str) -> str:
         return f"{epoch}:{shard_id}"
 
-    def take_place(self, epoch: int, shard_id: str, size: int) -> bool:
-        """A place in a window of `size` for the shard (True at once when it already holds one)."""
-        return bool(self.client.eval(_TAKE_PLACE, 1, self.window_key, self._place(epoch, shard_id), size))
+    def take_place(self, epoch: int, shard_id: str, size: int) -> int:
+        """A place in a window of `size` for the shard: TAKEN (it had none), HELD (it already holds one: another
+        delivery of its task took it), or 0 when the window is full."""
+        return int(self.client.eval(_TAKE_PLACE, 1, self.window_key, self._place(epoch, shard_id), size))
 
     def give_back_place(self, epoch: int, shard_id: str) -> None:
         self.client.srem(self.window_key, self._place(epoch, shard_id))
@@ -157,6 +216,11 @@ class ShardWindow:
             return set()
         held = self.client.smismember(self.window_key, [self._place(epoch, s) for s in ids])
         return {s for s, member in zip(ids, held, strict=True) if member}
+
+    def places(self) -> list[tuple[int, str]]:
+        """(epoch, shard id) of every place held in the window."""
+        held = [place.split(":", 1) for place in self.client.smembers(self.window_key)]
+        return sorted((int(epoch), shard_id) for epoch, shard_id in held)
 
     def window_fill(self) -> int:
         return int(self.client.scard(self.window_key))
@@ -191,11 +255,17 @@ redis.call('ZADD', KEYS[1], position, ARGV[1])
 return position
 """
 
+_AT_LEAST = """
+local known = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > known then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
+
 _TAKE_PLACE = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
 if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then
   redis.call('SADD', KEYS[1], ARGV[1])
-  return 1
+  return 2
 end
 return 0
 """

@@ -69,6 +69,7 @@ def test_export_command_writes_the_files_and_reports(pipeline_shards, tmp_path):
     # These shards hold no last-layer entry: speculators' export is refused, with the setting that adds it.
     refused = CliRunner().invoke(main, ["export", str(root), "-f", "speculators", str(tmp_path / "sp")])
     assert refused.exit_code == 1 and "extract with extract.last_layer_state = true" in refused.output
+    assert "dflash-queue reextract -c NEW_CONFIG --from CONFIG" in refused.output  # without generating again
     assert not (tmp_path / "sp").exists()
 
     (root / "shards" / "broken.safetensors").write_bytes(b"\x00" * 40)

@@ -148,3 +148,101 @@ def test_the_window_holds_extraction_back_and_a_consumed_shard_is_never_made_aga
     consumption.give_back_place(0, first)
     assert not lane.run(second).skipped and storage.exists(shard_key(second))
     lane.close()
+
+
+class GatedWindow(ShardWindow):
+    """The real window, whose first take_place waits for `gate`: a second delivery of a task held between its
+    look at storage and its place, while the first delivery runs to the end."""
+
+    def __init__(self, client, run_name: str, gate: threading.Event) -> None:
+        super().__init__(client, run_name)
+        self.gate, self.entered = gate, threading.Event()
+
+    def take_place(self, epoch: int, shard_id: str, size: int) -> int:
+        self.entered.set()
+        self.gate.wait(60)
+        return super().take_place(epoch, shard_id, size)
+
+
+class GatedExtractor(ObservedExtractor):
+    """The real extractor, entered only once `gate` is set."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        super().__init__(inner)
+        self.gate, self.entered = gate, threading.Event()
+
+    def capture(self, requests, **kwargs):
+        self.entered.set()
+        self.gate.wait(60)
+        return super().capture(requests, **kwargs)
+
+
+def live_window_config(make_config, s3_tables):
+    return make_config(
+        "window.toml",
+        storage={**s3_tables["storage"], "retention": "until-consumed"},
+        storage__s3=s3_tables["storage.s3"],
+        extract={"max_unconsumed_shards": 1},
+    )
+
+
+def test_a_second_delivery_after_the_shard_was_consumed_takes_no_place_for_good(
+    completed_on_s3, make_config, s3_tables, redis_url
+):
+    """A message delivered twice: the second delivery looks at storage (nothing yet), then waits; meanwhile the
+    first stores the shard, the consumer takes it and its place is given back. The second must not take a place
+    then: nobody would ever give it back, and a window of the smallest size would stop extraction for good."""
+    from dflash_queue.live import LiveShards
+
+    _, storage, (first, _, _) = completed_on_s3
+    config = live_window_config(make_config, s3_tables)
+    extractor = build_extractor(config)
+    first_delivery = ExtractLane(config, extractor, storage)
+    second_delivery = ExtractLane(config, extractor, storage)
+    gate = threading.Event()
+    window = ShardWindow.from_url(redis_url, config.run.name)
+    second_delivery._consumption = gated = GatedWindow(window.client, config.run.name, gate)
+    live = LiveShards(config, consumer="trainer", rank=0, world_size=1)
+
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(second_delivery.run, first)
+        assert gated.entered.wait(60)  # it looked at storage: nothing there yet
+        assert not first_delivery.run(first).skipped
+        live.acknowledge(0, first)  # consumed: the file deleted, its place given back
+        assert window.window_fill() == 0 and not storage.exists(shard_key(first))
+        gate.set()
+        summary = late.result(timeout=120)
+    assert window.places() == []  # before the fix: [(0, first)], held for good
+    assert summary.skipped
+    assert not storage.exists(shard_key(first)) and storage.exists(consumed_key(first, 0))
+
+
+def test_a_second_delivery_extracting_while_the_shard_is_consumed_leaves_no_file_behind(
+    completed_on_s3, make_config, s3_tables, redis_url
+):
+    """The second delivery got past the window (the place the first holds) and extracts while the first stores the
+    shard and the consumer takes it: the file it writes after that is deleted again."""
+    from dflash_queue.live import LiveShards
+
+    _, storage, (first, _, _) = completed_on_s3
+    config = live_window_config(make_config, s3_tables)
+    extractor = build_extractor(config)
+    first_delivery = ExtractLane(config, extractor, storage)
+    gate = threading.Event()
+    gated = GatedExtractor(extractor, gate)
+    second_delivery = ExtractLane(config, gated, storage)
+    window = ShardWindow.from_url(redis_url, config.run.name)
+    live = LiveShards(config, consumer="trainer", rank=0, world_size=1)
+
+    assert window.take_place(0, first, 1)  # the first delivery's place, taken before the second looks
+    with ThreadPoolExecutor(1) as pool:
+        late = pool.submit(second_delivery.run, first)
+        assert gated.entered.wait(60)  # past the window, about to extract
+        assert not first_delivery.run(first).skipped
+        live.acknowledge(0, first)
+        assert not storage.exists(shard_key(first))
+        gate.set()
+        late.result(timeout=120)
+    assert gated.calls == 1
+    assert window.window_fill() == 0
+    assert not storage.exists(shard_key(first)) and storage.exists(consumed_key(first, 0))

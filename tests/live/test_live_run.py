@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from dflash_queue.live import LiveShards
 from dflash_queue.ops.status import WorkerView, collect_status
 from dflash_queue.ops.status_view import status_table
 from dflash_queue.producer import Producer
@@ -25,6 +24,7 @@ from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.storage import open_storage
 from dflash_queue.verify import verify
 from dfq_testing.jobs import dataset_ids, first_lines
+from dfq_testing.live_ranks import stored_training_files, train_two_ranks
 from dfq_testing.polling import wait_until
 from dfq_testing.s3 import free_port
 
@@ -33,10 +33,6 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow
 
 WINDOW = 2
-
-
-def stored_training_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*.safetensors") if not p.name.startswith(".")]
 
 
 def live_config(make_config, **overrides):
@@ -59,35 +55,10 @@ def test_two_ranks_train_while_it_extracts_two_epochs_within_the_window(make_con
     assert report.enqueued == 6
     storage_root = Path(config.storage.url)
 
-    seen: dict[int, Counter[str]] = {0: Counter(), 1: Counter()}
-    shards_per_rank: dict[int, Counter[int]] = {0: Counter(), 1: Counter()}
-    fills: list[int] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def train(rank: int) -> None:
-        try:
-            live = LiveShards(config, consumer="drafter", rank=rank, world_size=2, epochs=2, poll_s=0.2)
-            for shard in live:
-                with lock:
-                    fills.append(len(stored_training_files(storage_root)))
-                    seen[shard.epoch].update(shard[i]["sample_id"] for i in range(len(shard)))
-                    # Samples the quality gate dropped are accounted for in the shard, never extracted.
-                    seen[shard.epoch].update(entry["id"] for entry in shard.shards[0].dropped)
-                    shards_per_rank[rank][shard.epoch] += 1
-                live.ack(shard)
-                with lock:
-                    fills.append(len(stored_training_files(storage_root)))
-        except BaseException as exc:  # reported by the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=train, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=600)
-    assert not any(t.is_alive() for t in threads), [w.log_tail() for w in workers]
-    assert not errors, errors
+    # Fails well within pytest's timeout, with the window, the ranks and the queues shown, if the ranks stall.
+    result = train_two_ranks(config, deadline_s=420, logs=lambda: "\n".join(w.log_tail() for w in workers))
+    assert not result.errors, result.errors
+    seen, shards_per_rank, fills = result.seen, result.shards_per_rank, result.fills
 
     expected = dataset_ids(dataset)
     for epoch in (0, 1):

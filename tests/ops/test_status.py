@@ -239,3 +239,41 @@ def test_asking_the_workers_leaves_no_connection_a_forked_process_would_hang_on(
     if alive:
         child.kill()
     assert not alive and child.exitcode == 0
+
+
+def test_a_run_whose_later_epoch_or_consumer_is_pending_is_not_finished(make_config, redis_url):
+    """Every shard passed every lane, but a trainer following the run wants a second epoch: not finished while that
+    epoch is not extracted, nor while the consumer has not consumed it; finished once it has."""
+    from dflash_queue.runstate.window import ShardWindow
+
+    config = make_config()
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    consumption = ShardWindow(ledger.client, config.run.name)
+    storage = open_storage(config.storage.url)
+    shards = {"s0": 4, "s1": 4}
+    for shard in shards:
+        ledger.set_state(shard, DONE, num_samples=4)
+        storage.write_bytes(shard_key(shard), b"stored")
+    consumption.seal_epoch(0, shards)
+    consumption.register("drafter", world_size=1, seed=0)
+    consumption.want_epochs("drafter", 2)
+    for shard in shards:
+        consumption.acknowledge("drafter", 0, shard)
+    consumption.seal_epoch(1, shards)  # epoch 1 started, nothing of it extracted yet
+
+    def shown():
+        status = collect_status(config, workers=WorkerView())
+        return status, " ".join(_render(status).split())
+
+    status, text = shown()
+    assert not status.finished and "run finished" not in text, text
+    assert "epoch 1: 0 / 2 shards extracted" in text and "training goes on: consumer drafter: epoch 1: 2 of 2" in text
+    for shard in shards:
+        consumption.set_epoch_state(1, shard, DONE)
+    status, text = shown()
+    assert not status.finished and "training goes on: consumer drafter: epoch 1: 2 of 2 shards not consumed" in text
+    for shard in shards:
+        consumption.acknowledge("drafter", 1, shard)
+    consumption.part_finished("drafter", 0, (0, 1))
+    status, text = shown()
+    assert status.finished and "run finished" in text and "training goes on" not in text, text
