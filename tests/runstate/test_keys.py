@@ -40,6 +40,8 @@ RELEASED = {
     "waiting": "dfq:r:live:waiting",
     "acknowledged": ("dfq:r:live:acked:trainer:3", "trainer", 3),
     "ranks_seen": ("dfq:r:live:seen:trainer", "trainer"),
+    "epochs_wanted": "dfq:r:live:epochs_wanted",
+    "readers_finished": ("dfq:r:live:finished:trainer", "trainer"),
     "epoch_shards": ("dfq:r:live:epoch:3:shards", 3),
     "epoch_sealed": ("dfq:r:live:epoch:3:sealed", 3),
     "epoch_claimed": ("dfq:r:live:epoch:3:claimed", 3),
@@ -87,6 +89,8 @@ def test_the_components_write_the_released_keys(redis_url):
     window.set_epoch_state(3, "s1", "failed", "broken")
     window.register("trainer", world_size=1, seed=0)
     window.seen("trainer", 0, 3)
+    window.want_epochs("trainer", 2)
+    window.part_finished("trainer", 0, (0, 1))
     window.acknowledge("trainer", 3, "s1")
     window.take_place(3, "s1", 1)
     window.note_waiting(3, "s2", 60)
