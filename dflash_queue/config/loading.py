@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
+from dflash_queue.config.sections import Section
 from dflash_queue.data.config import DatasetConfig
 from dflash_queue.engines.config import (
     ExtractConfig,
@@ -31,7 +32,6 @@ from dflash_queue.errors import ConfigError
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
 from dflash_queue.queue.config import PASSWORD_ENV, PASSWORD_FILE_ENV, BrokerConfig
-from dflash_queue.settings import Section
 from dflash_queue.storage.config import S3Config, StorageConfig, UploaderConfig
 
 __all__ = [

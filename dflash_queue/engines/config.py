@@ -10,9 +10,9 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from dflash_queue.config.sections import LayerIds, PositiveFloat, PositiveInt, Section, StrTuple
 from dflash_queue.engines.vllm_args import EXTRACT_REFUSED, GENERATE_REFUSED, check_engine_args, speculative_method
 from dflash_queue.errors import ConfigError
-from dflash_queue.settings import LayerIds, PositiveFloat, PositiveInt, Section, StrTuple
 
 
 class SamplingConfig(Section):
