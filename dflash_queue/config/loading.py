@@ -21,7 +21,6 @@ from pydantic import Field, ValidationError
 from dflash_queue.config.sections import Section
 from dflash_queue.data.config import DatasetConfig
 from dflash_queue.engines.config import (
-    ExtractConfig,
     ExtractVllmConfig,
     GenerateConfig,
     SamplingConfig,
@@ -29,6 +28,7 @@ from dflash_queue.engines.config import (
 )
 from dflash_queue.engines.vllm_args import NESTED_KEY_ERROR, output_args
 from dflash_queue.errors import ConfigError
+from dflash_queue.lanes.config import ExtractConfig
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
 from dflash_queue.queue.config import PASSWORD_ENV, PASSWORD_FILE_ENV, BrokerConfig

@@ -11,6 +11,7 @@ import pytest
 SECTIONS = [
     "dflash_queue.data.config",
     "dflash_queue.engines.config",
+    "dflash_queue.lanes.config",
     "dflash_queue.ops.config",
     "dflash_queue.quality.config",
     "dflash_queue.queue.config",
