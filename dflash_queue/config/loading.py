@@ -14,7 +14,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
@@ -23,6 +23,7 @@ from dflash_queue.data.config import DatasetConfig
 from dflash_queue.engines.config import (
     ExtractVllmConfig,
     GenerateConfig,
+    ModelConfig,
     SamplingConfig,
     VllmConfig,
 )
@@ -65,27 +66,6 @@ class RunConfig(Section):
     """Namespaces every Redis key of this deployment, so two runs can share one Redis database."""
     state_dir: str = ".dfq-state"
     """Private broker data (AOF), staging files and logs of `dflash-queue run`."""
-
-
-class ModelConfig(Section):
-    path: Annotated[str, Field(min_length=1)]
-    """Target model directory (must exist; relative paths resolve against the config file)."""
-    tokenizer: str = ""
-    """Tokenizer directory; empty: model.path."""
-    name: str = ""
-    """Recorded in every shard's metadata; defaults to the model directory's name."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
-    """Weights dtype of the extract and Transformers generate engines."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """"auto": CUDA when available, else CPU."""
-
-    @property
-    def tokenizer_path(self) -> str:
-        return self.tokenizer or self.path
-
-    @property
-    def display_name(self) -> str:
-        return self.name or Path(self.path).name
 
 
 class Config(Section):

@@ -15,6 +15,27 @@ from dflash_queue.engines.vllm_args import EXTRACT_REFUSED, GENERATE_REFUSED, ch
 from dflash_queue.errors import ConfigError
 
 
+class ModelConfig(Section):
+    path: Annotated[str, Field(min_length=1)]
+    """Target model directory (must exist; relative paths resolve against the config file)."""
+    tokenizer: str = ""
+    """Tokenizer directory; empty: model.path."""
+    name: str = ""
+    """Recorded in every shard's metadata; defaults to the model directory's name."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
+    """Weights dtype of the extract and Transformers generate engines."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto": CUDA when available, else CPU."""
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.path
+
+    @property
+    def display_name(self) -> str:
+        return self.name or Path(self.path).name
+
+
 class SamplingConfig(Section):
     temperature: Annotated[float, Field(ge=0)] = 0.6
     """Sampling temperature; 0 is greedy."""

@@ -51,7 +51,6 @@ from typing import Any
 import torch
 
 from dflash_queue import faults
-from dflash_queue.config import Config
 from dflash_queue.engines import vllm_runtime
 from dflash_queue.engines.architecture import profile_config
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
@@ -90,6 +89,7 @@ from dflash_queue.engines.vllm_states_file import receive_states
 from dflash_queue.engines.vllm_support import (
     DEFAULT_TRANSFER_DIR,
     FORCED_SETTINGS,
+    VllmExtractSettings,
     transfer_bytes,
     transfer_room_shortfall,
     vllm_refusal,
@@ -118,18 +118,18 @@ SCAN_MAX_S = 0.02
 _DIR_PREFIX = "dfq-states-"
 
 
-def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: str) -> dict[str, Any]:
+def extract_engine_args(setup: VllmExtractSettings, aux_ids: Sequence[int], transfer_dir: str) -> dict[str, Any]:
     """`AsyncEngineArgs` keywords of the extract lane's engine: its settings, extract_hidden_states at `aux_ids`
     (sorted, distinct: the order vLLM caches them in), this package's connector, and what extraction forces."""
-    settings = config.extract.vllm
+    settings = setup.extract.vllm
     extra: dict[str, Any] = {TRANSFER_DIR_KEY: transfer_dir}
     injected = faults.vllm_states_faults()
     if injected:
         extra[FAULTS_KEY] = injected
     return {
-        **common_engine_args(config, settings),
-        "max_model_len": config.extract_context_len(),
-        "max_num_batched_tokens": step_tokens(config),
+        **common_engine_args(setup.model, settings),
+        "max_model_len": setup.context_len,
+        "max_num_batched_tokens": step_tokens(setup),
         "enable_prefix_caching": False,  # see vllm_support.FORCED_SETTINGS
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "kv_cache_dtype": settings.kv_cache_dtype,
@@ -149,18 +149,18 @@ def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: st
     }
 
 
-def step_tokens(config: Config) -> int:
+def step_tokens(setup: VllmExtractSettings) -> int:
     """Tokens one engine step prefills: extract.vllm.max_num_batched_tokens, else extract.token_budget (the
     Transformers engine's tokens per pass), and never less than one whole sequence without chunked prefill."""
-    settings = config.extract.vllm
-    tokens = settings.max_num_batched_tokens or config.extract.token_budget
-    return tokens if settings.enable_chunked_prefill else max(tokens, config.extract_context_len())
+    settings = setup.extract.vllm
+    tokens = settings.max_num_batched_tokens or setup.extract.token_budget
+    return tokens if settings.enable_chunked_prefill else max(tokens, setup.context_len)
 
 
-def sequences_in_flight(config: Config) -> int:
+def sequences_in_flight(setup: VllmExtractSettings) -> int:
     """The sequences the lane keeps in the engine: every task in flight submits its shard at once."""
-    settings = config.extract.vllm
-    return min(settings.max_num_seqs, settings.inflight_tasks * config.dataset.shard_size)
+    settings = setup.extract.vllm
+    return min(settings.max_num_seqs, settings.inflight_tasks * setup.shard_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,20 +200,20 @@ def make_transfer_dir(base: Path) -> Path:
     return path
 
 
-def open_transfer_dir(config: Config, text_config: Any) -> Path:
+def open_transfer_dir(setup: VllmExtractSettings, text_config: Any) -> Path:
     """This engine's transfer directory (`make_transfer_dir` under `transfer_base`), once its file system is seen
     to hold extract.vllm.inflight_tasks maximal sequences' states; else the worker refuses to start, saying which
     settings (or the container's --shm-size) fix it, rather than fail every long sample's task later."""
-    base = transfer_base(config.extract.vllm.transfer_dir)
+    base = transfer_base(setup.extract.vllm.transfer_dir)
     directory = make_transfer_dir(base)
-    shortfall = transfer_room_shortfall(config, text_config, directory)
+    shortfall = transfer_room_shortfall(setup, text_config, directory)
     if shortfall:
         shutil.rmtree(directory, ignore_errors=True)
-        raise ConfigError(f"{config.source}: vLLM extract engine: {shortfall}")
+        raise ConfigError(f"{setup.source}: vLLM extract engine: {shortfall}")
     log.info(
         "vLLM extract engine: states pass through %s (%.2f GB free, %.2f GB for %d sequences of %d tokens)",
-        directory, shutil.disk_usage(directory).free / 1e9, transfer_bytes(config, text_config) / 1e9,
-        config.extract.vllm.inflight_tasks, config.extract_context_len(),
+        directory, shutil.disk_usage(directory).free / 1e9, transfer_bytes(setup, text_config) / 1e9,
+        setup.extract.vllm.inflight_tasks, setup.context_len,
     )
     return directory
 
@@ -343,20 +343,20 @@ class VllmStateExtractor:
     name = "vllm"
     mode = "vllm"
 
-    def __init__(self, config: Config) -> None:
-        settings = config.extract.vllm
-        layout = read_layout(config.model.path)
+    def __init__(self, setup: VllmExtractSettings) -> None:
+        settings = setup.extract.vllm
+        layout = read_layout(setup.model.path)
         refusal = vllm_refusal(layout.config)
         if refusal:
-            raise UnsupportedArchitecture(f"{config.model.path}: {refusal}")
+            raise UnsupportedArchitecture(f"{setup.model.path}: {refusal}")
         text: Any = layout.text_config
         self.num_model_layers: int = int(text.num_hidden_layers)
         self.hidden_size: int = int(text.hidden_size)
         self.vocab_size: int = int(text.vocab_size)
         self.layer_ids = resolve_layer_ids(
-            config.extract.layer_ids, self.num_model_layers, config.extract.num_draft_layers
+            setup.extract.layer_ids, self.num_model_layers, setup.extract.num_draft_layers
         )
-        self.captured: list[tuple[int, str]] = config.extract.captured_entries(self.num_model_layers)
+        self.captured: list[tuple[int, str]] = setup.extract.captured_entries(self.num_model_layers)
         wanted = vllm_aux_ids_of_entries(self.captured, self.num_model_layers)
         self.aux_ids = vllm_aux_layer_ids(self.captured, self.num_model_layers)
         # Column of vLLM's states holding each captured entry (the final-norm entry: before its norm).
@@ -366,24 +366,24 @@ class VllmStateExtractor:
         )
         self.concurrent_tasks = settings.inflight_tasks
         self.device = torch.device("cpu")  # states arrive in host memory
-        self.configured_tolerance = config.extract.canary_tolerance
+        self.configured_tolerance = setup.canary_tolerance
         self._captures = iter(range(1 << 62))
         self._captures_lock = threading.Lock()
 
         vllm_runtime.prepare_environment(settings)
-        self.transfer_dir = open_transfer_dir(config, text)
+        self.transfer_dir = open_transfer_dir(setup, text)
         for setting, why in FORCED_SETTINGS:
             log.info("vLLM extract engine: %s (%s)", setting, why)
         if settings.enable_chunked_prefill:
             log.info("vLLM extract engine: chunked prefill on; every sequence is checked whole before it is stored")
-        args = extract_engine_args(config, wanted, str(self.transfer_dir))
+        args = extract_engine_args(setup, wanted, str(self.transfer_dir))
         log.info(
             "vLLM extract engine: max_num_batched_tokens %d (%s)", args["max_num_batched_tokens"],
             "extract.vllm.max_num_batched_tokens" if settings.max_num_batched_tokens else "extract.token_budget",
         )
         try:
             self._resident = ResidentVllmEngine(
-                args, settings, "vllm-extract-loop", in_flight=sequences_in_flight(config)
+                args, settings, "vllm-extract-loop", in_flight=sequences_in_flight(setup)
             )
         except BaseException:
             shutil.rmtree(self.transfer_dir, ignore_errors=True)
@@ -393,12 +393,12 @@ class VllmStateExtractor:
             self.dtype: torch.dtype = model_config.dtype
             self.max_model_len: int = int(model_config.max_model_len)
             self._final_norm = (
-                FinalNorm(config.model.path, self.dtype, layout) if config.extract.final_norm_state else None
+                FinalNorm(setup.model.path, self.dtype, layout) if setup.extract.final_norm_state else None
             )
             self._gate, self._arrivals = self._resident.run(self._make_loop_objects())
             self._coverage = coverage_length_of(text)
             self.calibrated_noise, self._tolerance = self._calibrate()
-            self.reference = self._check_reference(config)
+            self.reference = self._check_reference(setup)
         except BaseException:
             self.close()
             raise
@@ -618,10 +618,10 @@ class VllmStateExtractor:
                         "(%.2e > %.2e): expect canary mismatches on this engine", noise, tolerance.whole)
         return noise, tolerance
 
-    def _check_reference(self, config: Config) -> ReferenceComparison | None:
+    def _check_reference(self, setup: VllmExtractSettings) -> ReferenceComparison | None:
         """This engine's states of a probe sequence against the checkpoint's own Transformers forward (see
         engines/reference_check.py); raises ReferenceMismatch beyond the dtype's rounding."""
-        settings = config.extract.vllm
+        settings = setup.extract.vllm
         if not settings.reference_layers:
             log.warning("vLLM extract engine: no comparison with the checkpoint's own forward "
                         "(extract.vllm.reference_layers = 0)")
@@ -631,14 +631,14 @@ class VllmStateExtractor:
         probe = probe_requests([avoid_single_token_tail(length, step_tokens)], self.vocab_size, seed=1)[0]
         _, layers = entries_to_compare(self.captured, self.num_model_layers, settings.reference_layers)
         comparison = compare_with_reference(
-            config.model.path,
+            setup.model.path,
             self.captured,
             self.num_model_layers,
             self.dtype,
             self.reference_states(probe),
             probe.input_ids,
             budget=settings.reference_layers,
-            device=reference_device(config.model.path, layers, settings.tensor_parallel_size),
+            device=reference_device(setup.model.path, layers, settings.tensor_parallel_size),
         )
         require_agreement(comparison, "vLLM extract engine")
         log.info("vLLM extract engine: states as the checkpoint's own: %s", comparison.describe())

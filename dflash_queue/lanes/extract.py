@@ -41,6 +41,7 @@ from dflash_queue.config import Config
 from dflash_queue.consumption import Consumption
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
+from dflash_queue.engines.vllm_support import VllmExtractSettings
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
@@ -334,7 +335,7 @@ def build_extractor(config: Config) -> ExtractEngine:
     if config.extract.engine == "vllm":
         from dflash_queue.engines.vllm_extract import VllmStateExtractor
 
-        return VllmStateExtractor(config)
+        return VllmStateExtractor(vllm_extract_settings(config))
     from dflash_queue.engines.hf_extract import HiddenStateExtractor
 
     return HiddenStateExtractor(
@@ -349,4 +350,16 @@ def build_extractor(config: Config) -> ExtractEngine:
         packing=config.extract.packing,
         final_norm_state=config.extract.final_norm_state,
         last_layer_state=config.extract.last_layer_state,
+    )
+
+
+def vllm_extract_settings(config: Config) -> VllmExtractSettings:
+    """What the vLLM extract engine is built from, taken from the whole configuration."""
+    return VllmExtractSettings(
+        model=config.model,
+        extract=config.extract,
+        context_len=config.extract_context_len(),
+        shard_size=config.dataset.shard_size,
+        canary_tolerance=config.extract.canary_tolerance,
+        source=config.source,
     )

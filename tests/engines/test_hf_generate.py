@@ -21,7 +21,7 @@ def engine_config(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_config):
-    return TransformersGenerateEngine(engine_config)
+    return TransformersGenerateEngine(engine_config.model, engine_config.generate.sampling, batch_size=engine_config.generate.batch_size)
 
 
 @pytest.fixture(scope="module")
