@@ -41,11 +41,11 @@ from torch import nn
 from transformers import AttentionInterface
 
 from dflash_queue.engines.activation_memory import pass_activation_bytes
-from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
+from dflash_queue.engines.architecture import ArchitectureProfile, coverage_length, native_attention, require_supported
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout, spread_device_map
 from dflash_queue.engines.devices import resolve_device, resolve_dtype, spread_gpu_count
-from dflash_queue.engines.extract_probe import confirm_mode, coverage_length
+from dflash_queue.engines.extract_probe import confirm_mode
 from dflash_queue.engines.layers import captured_entries, resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, packed_attention, segment_sequences
 from dflash_queue.engines.passes import (

@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 
 from dflash_queue.engines.base import Generation, GenerationRequest
 from dflash_queue.engines.config import ModelConfig, SamplingConfig
-from dflash_queue.engines.decoder import load_causal_lm
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
+from dflash_queue.engines.text_causal_lm import load_causal_lm
 
 
 class TransformersGenerateEngine:

@@ -52,10 +52,9 @@ import torch
 
 from dflash_queue import faults
 from dflash_queue.engines import vllm_runtime
-from dflash_queue.engines.architecture import profile_config
+from dflash_queue.engines.architecture import coverage_length, profile_config
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import read_layout
-from dflash_queue.engines.extract_probe import coverage_length
 from dflash_queue.engines.final_norm import FinalNorm
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
 from dflash_queue.engines.passes import all_finite, summarize, token_stats
