@@ -53,10 +53,10 @@ sys.path.insert(0, str(REPO / "tools"))
 from bench_pipeline import make_dataset  # noqa: E402
 
 from dflash_queue.config import Config, load_config  # noqa: E402
+from dflash_queue.data.chat_template import ChatFormatter  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.engines.base import GenerationRequest  # noqa: E402
-from dflash_queue.engines.chat import ChatFormatter  # noqa: E402
 from dflash_queue.engines.vllm_generate import engine_args, request_seed, sampling_kwargs  # noqa: E402
 from dflash_queue.engines.vllm_runtime import prepare_environment  # noqa: E402
 from dflash_queue.lanes.turns import split_turns  # noqa: E402

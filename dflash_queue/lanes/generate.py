@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from dflash_queue import faults
 from dflash_queue.config import Config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.base import GenerateEngine
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.lanes.isolation import run_isolating
 from dflash_queue.lanes.turns import TurnGenerator
 from dflash_queue.quality.checks import TokenMarkers

@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.config import load_config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 from dflash_queue.lanes.generate import GenerateLane
 from dflash_queue.shards.completions import decode_completions

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 
 

@@ -14,10 +14,10 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_queue.config import Config, load_config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import Generation, GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.config import SamplingConfig
 from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine, ServerRejectedSample
 from dflash_queue.engines.vllm_generate import VllmGenerateEngine

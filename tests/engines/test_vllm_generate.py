@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.config import load_config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.vllm_generate import (
     VllmGenerateEngine,
     check_platform,
