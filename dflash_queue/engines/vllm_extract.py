@@ -38,12 +38,9 @@ import contextlib
 import logging
 import os
 import queue
-import re
 import shutil
-import socket
 import tempfile
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +101,7 @@ from dflash_queue.errors import (
 )
 from dflash_queue.faults import ExtractFaults
 from dflash_queue.shards.training import FINAL_NORM
+from dflash_queue.storage.process_dirs import make_process_dir
 
 log = logging.getLogger(__name__)
 
@@ -182,29 +180,13 @@ def transfer_base(setting: str) -> Path:
     return fallback
 
 
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
-
-
-def make_transfer_dir(base: Path) -> Path:
-    """A directory of this engine's own under `base`; those of this host's dead processes are removed first."""
-    base.mkdir(parents=True, exist_ok=True)
-    pattern = re.compile(rf"^{_DIR_PREFIX}{re.escape(_host_tag())}-(\d+)-[0-9a-f]+$")
-    for entry in base.iterdir():
-        match = pattern.match(entry.name)
-        if match and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-    path = base / f"{_DIR_PREFIX}{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    return path
-
-
 def open_transfer_dir(setup: VllmExtractSettings, text_config: Any) -> Path:
-    """This engine's transfer directory (`make_transfer_dir` under `transfer_base`), once its file system is seen
-    to hold extract.vllm.inflight_tasks maximal sequences' states; else the worker refuses to start, saying which
-    settings (or the container's --shm-size) fix it, rather than fail every long sample's task later."""
+    """This engine's transfer directory under `transfer_base` (`process_dirs.make_process_dir`: one of its own, those
+    of this host's dead processes removed), once its file system is seen to hold extract.vllm.inflight_tasks
+    maximal sequences' states; else the worker refuses to start, saying which settings (or the container's
+    --shm-size) fix it, rather than fail every long sample's task later."""
     base = transfer_base(setup.extract.vllm.transfer_dir)
-    directory = make_transfer_dir(base)
+    directory = make_process_dir(base, _DIR_PREFIX, tagged=True)
     shortfall = transfer_room_shortfall(setup, text_config, directory)
     if shortfall:
         shutil.rmtree(directory, ignore_errors=True)
@@ -215,16 +197,6 @@ def open_transfer_dir(setup: VllmExtractSettings, text_config: Any) -> Path:
         setup.extract.vllm.inflight_tasks, setup.context_len,
     )
     return directory
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class StatesArrivals:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,6 @@ from dflash_queue.engines.vllm_extract import (
     EngineGate,
     StatesArrivals,
     extract_engine_args,
-    make_transfer_dir,
 )
 from dflash_queue.errors import EngineStatesInvalid, StatesHandOverFailed
 from dflash_queue.lanes.extract import vllm_extract_settings
@@ -114,22 +111,6 @@ def test_the_final_norm_is_the_checkpoints_own_module_and_weights(tiny_family, f
     assert norm.weight.std() > 0.1
     states = torch.randn(9, norm.weight.shape[0]) * 3
     torch.testing.assert_close(FinalNorm(str(path), torch.float32)(states), norm(states), rtol=0, atol=0)
-
-
-def test_a_transfer_directory_is_the_engines_own_and_dead_processes_ones_are_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    first = make_transfer_dir(tmp_path)
-    host = first.name.split("-")[2]
-    left = tmp_path / f"dfq-states-{host}-{pid}-0abc"
-    left.mkdir()
-    (left / "c1.0-x.safetensors").write_bytes(b"states")
-    other_host = tmp_path / f"dfq-states-elsewhere-{pid}-0abc"
-    other_host.mkdir()
-    second = make_transfer_dir(tmp_path)
-    assert not left.exists()  # its process is gone
-    assert first.is_dir() and second.is_dir() and first != second  # this process's engines: both kept
-    assert other_host.is_dir()  # another host's: not this host's to judge
 
 
 def test_states_arrive_when_their_file_appears_whole_or_fail_with_the_connectors_reason(tmp_path):
