@@ -99,7 +99,6 @@ from dflash_queue.errors import (
     StatesHandOverFailed,
     UnsupportedArchitecture,
 )
-from dflash_queue.faults import ExtractFaults
 from dflash_queue.shards.training import FINAL_NORM
 from dflash_queue.storage.process_dirs import make_process_dir
 
@@ -387,7 +386,6 @@ class VllmStateExtractor:
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
         """States and statistics, one per request (request order), or each to `deliver(index, captured)` as soon
@@ -396,8 +394,6 @@ class VllmStateExtractor:
         Raises EngineStatesInvalid (the task fails for good) when the engine's states cannot be the sequence's
         own, NonFiniteHiddenStates naming the samples with NaN or infinite states (after the others were
         delivered), GenerationRejected for a sequence the engine refuses (longer than its context).
-        `faults` concern the Transformers engine's packing and are not used here (the connector's faults stand
-        for this engine's).
         """
         for request in requests:
             if not request.input_ids:
@@ -458,11 +454,9 @@ class VllmStateExtractor:
     def pass_tokens(self) -> int:
         return self.max_model_len
 
-    def run_together(
-        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
-    ) -> list[CapturedStates]:
+    def run_together(self, requests: Sequence[ExtractionRequest]) -> list[CapturedStates]:
         """These sequences batched in the engine (the order does not matter to it)."""
-        return self.capture(requests, faults=faults)
+        return self.capture(requests)
 
     async def _run_all(
         self, capture: int, requests: Sequence[ExtractionRequest], arrived: queue.Queue[tuple[int, str]]

@@ -293,7 +293,8 @@ class ExtractLane:
         self, requests: list[ExtractionRequest], deliver: Callable[[int, CapturedStates], None], *, shard_id: str = ""
     ) -> None:
         faults.check_poison("extract", (r.sample_id for r in requests))
-        self.extractor.capture(requests, faults=faults.extract_faults(shard_id) or None, deliver=deliver)
+        with faults.extract_faults_applied(faults.extract_faults(shard_id)):
+            self.extractor.capture(requests, deliver=deliver)
 
     def _canary_tolerance(self) -> CanaryTolerance:
         configured = self.config.extract.canary_tolerance
