@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 
-from dflash_queue import faults
 from dflash_queue.engines import vllm_runtime
 from dflash_queue.engines.architecture import coverage_length, profile_config
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
@@ -119,9 +118,8 @@ def extract_engine_args(setup: VllmExtractSettings, aux_ids: Sequence[int], tran
     (sorted, distinct: the order vLLM caches them in), this package's connector, and what extraction forces."""
     settings = setup.extract.vllm
     extra: dict[str, Any] = {TRANSFER_DIR_KEY: transfer_dir}
-    injected = faults.vllm_states_faults()
-    if injected:
-        extra[FAULTS_KEY] = injected
+    if setup.connector_faults:
+        extra[FAULTS_KEY] = dict(setup.connector_faults)
     return {
         **common_engine_args(setup.model, settings),
         "max_model_len": setup.context_len,

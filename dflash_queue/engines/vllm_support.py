@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,8 @@ class VllmExtractSettings:
     """extract.canary_tolerance; 0: calibrated when the engine loads."""
     source: str = "<memory>"
     """The configuration file, named in errors."""
+    connector_faults: Mapping[str, Any] = field(default_factory=dict)
+    """What the KV connector alters on purpose (the test suite's `faults.vllm_states_faults`); empty normally."""
 
 
 # ---------------------------------------------------------------------------------------------------------------

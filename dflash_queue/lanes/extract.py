@@ -363,4 +363,5 @@ def vllm_extract_settings(config: Config) -> VllmExtractSettings:
         shard_size=config.dataset.shard_size,
         canary_tolerance=config.extract.canary_tolerance,
         source=config.source,
+        connector_faults=faults.vllm_states_faults(),
     )
