@@ -47,7 +47,9 @@ import os
 import random
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +143,25 @@ def extract_faults(shard_id: str = "") -> ExtractFaults:
         head_leak=(float(leak.get("relative", 1e-3)), int(leak.get("tokens", 8))) if leak else None,
         ignore_window=bool(found.get("extract_ignore_window", False)),
     )
+
+
+_APPLIED_EXTRACT_FAULTS: ContextVar[ExtractFaults | None] = ContextVar("dfq_extract_faults", default=None)
+
+
+@contextmanager
+def extract_faults_applied(injected: ExtractFaults | None) -> Iterator[None]:
+    """The Transformers extract engine's passes do `injected` wrong within this block, in this thread (the lane
+    wraps a shard's capture and the canary's shared pass in it); the engine's calls take no faults of their own."""
+    token = _APPLIED_EXTRACT_FAULTS.set(injected or None)
+    try:
+        yield
+    finally:
+        _APPLIED_EXTRACT_FAULTS.reset(token)
+
+
+def applied_extract_faults() -> ExtractFaults | None:
+    """What the Transformers extract engine's shared passes do wrong now (`extract_faults_applied`); None normally."""
+    return _APPLIED_EXTRACT_FAULTS.get()
 
 
 def vllm_states_faults() -> dict:

@@ -211,7 +211,7 @@ def load_formatter(tokenizer_path: str):
     """The chat formatter of a tokenizer (and its chat template)."""
     from transformers import AutoTokenizer
 
-    from dflash_queue.engines.chat import ChatFormatter
+    from dflash_queue.data.chat_template import ChatFormatter
 
     return ChatFormatter(AutoTokenizer.from_pretrained(tokenizer_path))
 

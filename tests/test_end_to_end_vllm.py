@@ -11,9 +11,9 @@ import pytest
 import redis
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.vllm_generate import request_seed
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.producer import Producer

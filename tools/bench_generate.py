@@ -54,16 +54,12 @@ from bench_pipeline import make_dataset  # noqa: E402
 
 from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import Config, load_config  # noqa: E402
+from dflash_queue.data.chat_template import ChatFormatter  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.engines.base import GenerationRequest  # noqa: E402
-from dflash_queue.engines.chat import ChatFormatter  # noqa: E402
-from dflash_queue.engines.vllm_generate import (  # noqa: E402
-    engine_args,
-    prepare_environment,
-    request_seed,
-    sampling_kwargs,
-)
+from dflash_queue.engines.vllm_generate import engine_args, request_seed, sampling_kwargs  # noqa: E402
+from dflash_queue.engines.vllm_runtime import prepare_environment  # noqa: E402
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
@@ -229,7 +225,7 @@ def offline(config: Config, samples: list[Sample]) -> tuple[dict[str, list[int]]
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    prepare_environment(config)
+    prepare_environment(config.generate.vllm)
     formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
     prompts = [
         TokensPrompt(
@@ -241,7 +237,7 @@ def offline(config: Config, samples: list[Sample]) -> tuple[dict[str, list[int]]
         SamplingParams(**sampling_kwargs(config.generate.sampling, GenerationRequest(s.id, p["prompt_token_ids"])))
         for s, p in zip(samples, prompts)
     ]
-    llm = LLM(**{**engine_args(config), "disable_log_stats": True})
+    llm = LLM(**{**engine_args(config.model, config.generate.vllm), "disable_log_stats": True})
     try:
         started = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

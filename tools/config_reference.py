@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dflash_queue.config_reference import render_reference  # noqa: E402
+from dflash_queue.config.reference import render_reference  # noqa: E402
 
 TARGET = REPO / "docs" / "configuration.md"
 

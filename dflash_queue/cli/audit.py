@@ -75,7 +75,7 @@ def _settings(config_path: Path | None, max_stub_fraction: float, min_answer_tok
     from transformers import AutoTokenizer
 
     from dflash_queue.cli.common import load
-    from dflash_queue.engines.chat import ChatFormatter
+    from dflash_queue.data.chat_template import ChatFormatter
 
     config = load(config_path)
     return AuditSettings(

@@ -27,8 +27,10 @@ def check_extract_states(config: Config, start: Callable[[Config], Any] | None =
         return None
     if start is None:
         from dflash_queue.engines.vllm_extract import VllmStateExtractor
+        from dflash_queue.lanes.extract import vllm_extract_settings
 
-        start = VllmStateExtractor
+        def start(config: Config) -> Any:
+            return VllmStateExtractor(vllm_extract_settings(config))
     from dflash_queue.errors import UnsupportedArchitecture
 
     try:

@@ -5,9 +5,9 @@ it."""
 from __future__ import annotations
 
 from dflash_queue.config import Config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.doctor.result import Check
 from dflash_queue.engines.architecture import profile_config
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.layers import resolve_layer_ids
 
 

@@ -21,6 +21,7 @@ from dflash_queue.engines.vllm_support import (
     vllm_refusal,
 )
 from dflash_queue.errors import ConfigError
+from dflash_queue.lanes.extract import vllm_extract_settings
 
 GB = 1000**3
 
@@ -91,8 +92,9 @@ def check_transfer_dir(config: Config, text_config: Any) -> Check:
         return Check.failed(name, f"{existing} is not writable ({exc.strerror or exc})")
     free = shutil.disk_usage(existing).free
     try:
-        needed = transfer_bytes(config, text_config)
-        shortfall = transfer_room_shortfall(config, text_config, existing)
+        setup = vllm_extract_settings(config)
+        needed = transfer_bytes(setup, text_config)
+        shortfall = transfer_room_shortfall(setup, text_config, existing)
     except (ConfigError, ValueError) as exc:
         return Check.warned(name, f"{path}{created}: {free / GB:,.1f} GB free; cannot size the states ({exc})")
     if shortfall:  # the worker refuses to start on it

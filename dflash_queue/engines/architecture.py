@@ -42,6 +42,8 @@ PROVEN_PACKED = frozenset({
 MIXER_SETTINGS = ("mamba_", "ssm_", "conv_L_cache", "short_conv", "linear_conv_kernel_dim", "attention_chunk_size")
 # Attention extras the native SDPA kernel ignores: the reference (and padded) path must use eager attention.
 EAGER_ONLY_FEATURES = frozenset({"softcap", "sinks"})
+# The chunk Qwen3.5's and Qwen3-Next's linear attention works in: the reach `coverage_length` gives it.
+LINEAR_ATTENTION_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -172,3 +174,14 @@ def _refusal(config, text, num_layers: int, features: dict[str, str], attn_imple
         return "flash_attention_2 has no attention sinks; use extract.attn_implementation = 'sdpa'"
     return ""
 
+
+def coverage_length(profile: ArchitectureProfile) -> int:
+    """How far the model's token mixers reach before they behave as plain causal attention: its sliding window, its
+    attention chunk, a linear-attention chunk (0: nothing beyond full attention)."""
+    reaches = [
+        int(profile.features.get("sliding window", "0") or 0),
+        int(profile.features.get("attention chunk", "0") or 0),
+        int(profile.features.get("state-space chunk", "0") or 0),
+        LINEAR_ATTENTION_CHUNK if "linear attention" in profile.features else 0,
+    ]
+    return max(reaches)

@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     import torch
 
     from dflash_queue.engines.state_checks import CanaryTolerance
-    from dflash_queue.faults import ExtractFaults
 
 
 @dataclass(frozen=True)
@@ -81,11 +80,9 @@ class ExtractEngine(Protocol):
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
-        """States and statistics per request (request order), or each handed to `deliver` as it is ready.
-        `faults`: injected by the test suite (dflash_queue/faults.py); an engine may not have them."""
+        """States and statistics per request (request order), or each handed to `deliver` as it is ready."""
 
     def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor:
         """The states of one sequence run alone: what the canary compares a shared pass's result with."""
@@ -97,11 +94,8 @@ class ExtractEngine(Protocol):
     def pass_tokens(self) -> int:
         """Tokens one pass takes (what `run_together` may be given)."""
 
-    def run_together(
-        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
-    ) -> list[CapturedStates]:
-        """These sequences in one pass, in this order: the later ones follow the earlier ones (`faults` as in
-        `capture`)."""
+    def run_together(self, requests: Sequence[ExtractionRequest]) -> list[CapturedStates]:
+        """These sequences in one pass, in this order: the later ones follow the earlier ones."""
 
     def coverage_length(self) -> int:
         """How far the model's token mixers reach (sliding window, attention chunk): a sequence longer than this

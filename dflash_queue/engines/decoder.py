@@ -8,9 +8,7 @@ mapped away (`key_mapping`), so no vision tower is built or read.
 Every load asks Transformers which weights it did not find: a decoder with a weight left at its random
 initialisation computes states that look plausible and are worthless, so a missing weight refuses the load.
 
-For generation (`load_causal_lm`), a text-only checkpoint loads as its causal LM class; a multimodal one as its
-text decoder under its LM head (`text_causal_lm`), since Transformers has no text-only causal LM class for some
-text decoders (Qwen3-VL's).
+For generation, `text_causal_lm.load_causal_lm` puts this decoder under its LM head.
 """
 
 from __future__ import annotations
@@ -86,13 +84,13 @@ def load_text_decoder(
     from transformers import AutoModel
 
     layout = layout or read_layout(path)
-    kwargs = _load_kwargs(layout, dtype, device, attn_implementation)
+    kwargs = load_kwargs(layout, dtype, device, attn_implementation)
     if num_layers is not None:
         kwargs["config"] = truncated_config(layout.text_config, num_layers)
     if device_map is not None:
         kwargs["device_map"] = dict(device_map)
     model, info = AutoModel.from_pretrained(path, output_loading_info=True, **kwargs)
-    _require_complete(model, info, path, layout)
+    require_complete(model, info, path, layout)
     return model if device_map is not None else model.to(device)
 
 
@@ -112,29 +110,6 @@ def spread_device_map(path: str, layout: CheckpointLayout, gpu_count: int) -> di
             if module != "layers" and module not in mapping:
                 mapping[module] = 0
     return mapping
-
-
-def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The text decoder with its LM head, for generation: a text-only checkpoint's causal LM class; for a
-    multimodal checkpoint, its text decoder (as `load_text_decoder` loads it) under its LM head
-    (`text_causal_lm.load_text_causal_lm`). Attention is eager where SDPA would drop a feature of the model
-    (soft-capping, sinks), SDPA otherwise."""
-    from dflash_queue.engines.architecture import profile_config
-
-    layout = read_layout(path)
-    # SDPA drops attention soft-capping (Gemma 2): generate with the attention that applies every feature.
-    attention = profile_config(layout.config).reference_attention
-    if layout.multimodal:
-        from dflash_queue.engines.text_causal_lm import load_text_causal_lm
-
-        return load_text_causal_lm(path, layout, dtype=dtype, device=device, attn_implementation=attention)
-    from transformers import AutoModelForCausalLM
-
-    kwargs = _load_kwargs(layout, dtype, device, attention)
-    loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
-    model, info = loaded
-    _require_complete(model, info, path, layout)
-    return model.to(device)
 
 
 def truncated_config(text_config: Any, num_layers: int) -> Any:
@@ -158,7 +133,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _load_kwargs(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device, attn: str | None) -> dict:
+def load_kwargs(layout: CheckpointLayout, dtype: torch.dtype, device: torch.device, attn: str | None) -> dict:
     kwargs: dict = {"dtype": dtype}
     if attn is not None:
         kwargs["attn_implementation"] = attn
@@ -175,7 +150,7 @@ def _load_kwargs(layout: CheckpointLayout, dtype: torch.dtype, device: torch.dev
     return kwargs
 
 
-def _require_complete(model: nn.Module, info: dict, path: str, layout: CheckpointLayout) -> None:
+def require_complete(model: nn.Module, info: dict, path: str, layout: CheckpointLayout) -> None:
     missing = sorted(info.get("missing_keys") or ())
     mismatched = sorted(str(k) for k in (info.get("mismatched_keys") or ()))
     tied = {name for name, _ in _tied_parameters(model)}

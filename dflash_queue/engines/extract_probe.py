@@ -14,29 +14,47 @@ how it extracts.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from dflash_queue.engines.architecture import PROVEN_PACKED, ArchitectureProfile
+from dflash_queue.engines.architecture import PROVEN_PACKED, ArchitectureProfile, coverage_length
+from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, StateDifference, calibrate, compare_states
 from dflash_queue.errors import UnsupportedArchitecture
 
-if TYPE_CHECKING:
-    from dflash_queue.engines.hf_extract import HiddenStateExtractor
-
 log = logging.getLogger("dflash_queue.engines.hf_extract")
-
-LINEAR_ATTENTION_CHUNK = 64
 # Shorter than every probe sequence: put after one in a pass, it leaves the probe sequence first.
 FILLER_TOKENS = 5
 
 
-def confirm_mode(extractor: HiddenStateExtractor) -> tuple[str, CanaryTolerance]:
+class ProbedExtractor(Protocol):
+    """What the probe reads and sets of the Transformers extract engine (`hf_extract.HiddenStateExtractor`)."""
+
+    profile: ArchitectureProfile
+    max_positions: int
+    model: Any
+    dtype: torch.dtype
+    mode: str
+    effective_token_budget: int
+    attn_implementation: str
+    reference_attention: str
+
+    def use_mode(self, mode: str) -> None: ...
+
+    def reference_states(self, request: ExtractionRequest, *, on_device: bool = False) -> torch.Tensor: ...
+
+    def extract(self, requests: Sequence[ExtractionRequest]) -> list[torch.Tensor]: ...
+
+    def capture(
+        self, requests: Sequence[ExtractionRequest], *, deliver: Callable[[int, CapturedStates], None] | None = None
+    ) -> list[CapturedStates]: ...
+
+
+def confirm_mode(extractor: ProbedExtractor) -> tuple[str, CanaryTolerance]:
     """Leave `extractor` in the first exact mode of (its mode, then padded) and return it with the canary's
     tolerance calibrated in it; raise if no mode is exact."""
-    from dflash_queue.engines.hf_extract import ExtractionRequest
-
     profile = extractor.profile
     lengths = [probe_length(profile, extractor.max_positions), 9, 21]
     generator = torch.Generator().manual_seed(0)
@@ -96,7 +114,7 @@ def confirm_mode(extractor: HiddenStateExtractor) -> tuple[str, CanaryTolerance]
     )
 
 
-def first_in_pass(extractor: HiddenStateExtractor, request, filler) -> torch.Tensor:
+def first_in_pass(extractor: ProbedExtractor, request, filler) -> torch.Tensor:
     """`request`'s states from a pass it opens (a shorter filler after it): what a pass computes with nothing
     before it."""
     found: dict[int, torch.Tensor] = {}
@@ -115,25 +133,13 @@ def _within(differences: list[StateDifference], tolerance: CanaryTolerance) -> b
     return all(d.worst <= tolerance.whole and d.worst_head <= tolerance.head for d in differences)
 
 
-def mode_label(extractor: HiddenStateExtractor, mode: str) -> str:
+def mode_label(extractor: ProbedExtractor, mode: str) -> str:
     profile = extractor.profile
     if mode == "padded":
         return f"padded batches ({profile.why_padded or 'packing was not exact'}), {extractor.reference_attention} attention"
     linear = ", linear attention per sequence" if "linear attention" in profile.features else ""
     attention = "per-sequence attention" if extractor.attn_implementation == "sdpa" else extractor.attn_implementation
     return f"packed sequences ({attention}{linear})"
-
-
-def coverage_length(profile: ArchitectureProfile) -> int:
-    """How far the model's token mixers reach before they behave as plain causal attention: its sliding window, its
-    attention chunk, a linear-attention chunk (0: nothing beyond full attention)."""
-    reaches = [
-        int(profile.features.get("sliding window", "0") or 0),
-        int(profile.features.get("attention chunk", "0") or 0),
-        int(profile.features.get("state-space chunk", "0") or 0),
-        LINEAR_ATTENTION_CHUNK if "linear attention" in profile.features else 0,
-    ]
-    return max(reaches)
 
 
 def probe_reaches(profile: ArchitectureProfile, probe_tokens: int) -> bool:

@@ -41,11 +41,11 @@ from torch import nn
 from transformers import AttentionInterface
 
 from dflash_queue.engines.activation_memory import pass_activation_bytes
-from dflash_queue.engines.architecture import ArchitectureProfile, native_attention, require_supported
+from dflash_queue.engines.architecture import ArchitectureProfile, coverage_length, native_attention, require_supported
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import decoder_layers, load_text_decoder, read_layout, spread_device_map
 from dflash_queue.engines.devices import resolve_device, resolve_dtype, spread_gpu_count
-from dflash_queue.engines.extract_probe import confirm_mode, coverage_length
+from dflash_queue.engines.extract_probe import confirm_mode
 from dflash_queue.engines.layers import captured_entries, resolve_layer_ids
 from dflash_queue.engines.packed_attention import PACKED_ATTENTION, packed_attention, segment_sequences
 from dflash_queue.engines.passes import (
@@ -58,7 +58,7 @@ from dflash_queue.engines.passes import (
 )
 from dflash_queue.engines.state_checks import CanaryTolerance
 from dflash_queue.errors import NonFiniteHiddenStates, OutOfMemoryAtMinimumBudget, UnsupportedArchitecture
-from dflash_queue.faults import ExtractFaults
+from dflash_queue.faults import applied_extract_faults
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
 
 log = logging.getLogger(__name__)
@@ -206,7 +206,6 @@ class HiddenStateExtractor:
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
         """States and per-layer statistics, one per request, in request order.
@@ -217,8 +216,8 @@ class HiddenStateExtractor:
 
         Raises OutOfMemoryAtMinimumBudget when one sequence alone does not fit in device memory, and
         NonFiniteHiddenStates naming every sample with a NaN or infinite value (after the other samples were
-        delivered). `faults` (injected by the test suite, to prove the checks that must catch them) make the
-        shared passes wrong in the ways dflash_queue/faults.py describes.
+        delivered). Faults the test suite applies around a capture (`faults.extract_faults_applied`, to prove the
+        checks that must catch them) make the shared passes wrong in the ways dflash_queue/faults.py describes.
         """
         lengths = [len(r.input_ids) for r in requests]
         for request, length in zip(requests, lengths):
@@ -235,7 +234,7 @@ class HiddenStateExtractor:
             failed: list[int] | None = None
             for number, group in enumerate(passes):
                 try:
-                    in_flight.append(self._run(group, requests, faults=faults))
+                    in_flight.append(self._run(group, requests))
                 except torch.OutOfMemoryError:
                     failed = group
                     pending = [i for later in passes[number:] for i in later]
@@ -279,13 +278,11 @@ class HiddenStateExtractor:
     def pass_tokens(self) -> int:
         return self.effective_token_budget
 
-    def run_together(
-        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
-    ) -> list[CapturedStates]:
+    def run_together(self, requests: Sequence[ExtractionRequest]) -> list[CapturedStates]:
         """These sequences in one pass, in this order (packed or padded as the engine runs)."""
         captured: dict[int, CapturedStates] = {}
         nonfinite: list[str] = []
-        run = self._run(list(range(len(requests))), requests, faults=faults)
+        run = self._run(list(range(len(requests))), requests)
         hand_over(run, requests, captured.__setitem__, nonfinite)
         if nonfinite:
             raise NonFiniteHiddenStates.among(nonfinite, len(requests))
@@ -315,9 +312,8 @@ class HiddenStateExtractor:
         self,
         group: list[int],
         requests: Sequence[ExtractionRequest],
-        *,
-        faults: ExtractFaults | None = None,
     ) -> PassResult:
+        faults = applied_extract_faults()  # the test suite's, applied around the lane's capture
         sequences = [requests[i].input_ids for i in group]
         if self.mode == "packed":
             built = packed_inputs(sequences)

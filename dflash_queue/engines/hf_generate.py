@@ -13,23 +13,23 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from dflash_queue.config import Config, SamplingConfig
 from dflash_queue.engines.base import Generation, GenerationRequest
-from dflash_queue.engines.decoder import load_causal_lm
+from dflash_queue.engines.config import ModelConfig, SamplingConfig
 from dflash_queue.engines.devices import resolve_device, resolve_dtype
+from dflash_queue.engines.text_causal_lm import load_causal_lm
 
 
 class TransformersGenerateEngine:
     name = "transformers"
 
-    def __init__(self, config: Config) -> None:
-        self.sampling: SamplingConfig = config.generate.sampling
-        self.batch_size = config.generate.batch_size
-        self.device = resolve_device(config.model.device)
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+    def __init__(self, model: ModelConfig, sampling: SamplingConfig, *, batch_size: int) -> None:
+        """`batch_size`: generate.batch_size, the sequences of one `generate` call."""
+        self.sampling = sampling
+        self.batch_size = batch_size
+        self.device = resolve_device(model.device)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(model.tokenizer_path)
         # A multimodal checkpoint gives its text-only causal LM: prompts here are text.
-        self.model: Any = load_causal_lm(config.model.path, dtype=resolve_dtype(config.model.dtype, self.device),
-                                    device=self.device)
+        self.model: Any = load_causal_lm(model.path, dtype=resolve_dtype(model.dtype, self.device), device=self.device)
         self.model.eval()
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]

@@ -1,5 +1,6 @@
-"""A multimodal checkpoint's text causal LM, for the Transformers generate engine: its text decoder under its LM
-head.
+"""The target's causal LM, for the Transformers generate engine (`load_causal_lm`): a text-only checkpoint loads as
+its causal LM class; a multimodal one as its text decoder under its LM head, since Transformers has no text-only
+causal LM class for some text decoders (Qwen3-VL's).
 
 The decoder is loaded as the extract lane loads it (`decoder.load_text_decoder`: the text config's base model, the
 language model's prefix mapped away, no vision tower, every weight checked), so every checkpoint whose states can
@@ -23,7 +24,16 @@ from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from dflash_queue.engines.decoder import HEAD, CheckpointLayout, checkpoint_keys, checkpoint_tensors, load_text_decoder
+from dflash_queue.engines.decoder import (
+    HEAD,
+    CheckpointLayout,
+    checkpoint_keys,
+    checkpoint_tensors,
+    load_kwargs,
+    load_text_decoder,
+    read_layout,
+    require_complete,
+)
 from dflash_queue.errors import UnsupportedArchitecture
 
 # What the decoder's class declares about itself, which Transformers reads on the model that generates (which
@@ -83,6 +93,27 @@ class TextCausalLM(PreTrainedModel, GenerationMixin):
         kept = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(outputs.last_hidden_state[:, kept])
         return CausalLMOutputWithPast(logits=logits, past_key_values=outputs.past_key_values)
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The text decoder with its LM head, for generation: a text-only checkpoint's causal LM class; for a
+    multimodal checkpoint, its text decoder (as `load_text_decoder` loads it) under its LM head
+    (`load_text_causal_lm`). Attention is eager where SDPA would drop a feature of the model
+    (soft-capping, sinks), SDPA otherwise."""
+    from dflash_queue.engines.architecture import profile_config
+
+    layout = read_layout(path)
+    # SDPA drops attention soft-capping (Gemma 2): generate with the attention that applies every feature.
+    attention = profile_config(layout.config).reference_attention
+    if layout.multimodal:
+        return load_text_causal_lm(path, layout, dtype=dtype, device=device, attn_implementation=attention)
+    from transformers import AutoModelForCausalLM
+
+    kwargs = load_kwargs(layout, dtype, device, attention)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True, **kwargs)
+    model, info = loaded
+    require_complete(model, info, path, layout)
+    return model.to(device)
 
 
 def load_text_causal_lm(

@@ -38,25 +38,19 @@ import contextlib
 import logging
 import os
 import queue
-import re
 import shutil
-import socket
 import tempfile
 import threading
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_queue import faults
-from dflash_queue.config import Config
 from dflash_queue.engines import vllm_runtime
-from dflash_queue.engines.architecture import profile_config
+from dflash_queue.engines.architecture import coverage_length, profile_config
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest
 from dflash_queue.engines.decoder import read_layout
-from dflash_queue.engines.extract_probe import coverage_length
 from dflash_queue.engines.final_norm import FinalNorm
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
 from dflash_queue.engines.passes import all_finite, summarize, token_stats
@@ -90,6 +84,7 @@ from dflash_queue.engines.vllm_states_file import receive_states
 from dflash_queue.engines.vllm_support import (
     DEFAULT_TRANSFER_DIR,
     FORCED_SETTINGS,
+    VllmExtractSettings,
     transfer_bytes,
     transfer_room_shortfall,
     vllm_refusal,
@@ -103,8 +98,8 @@ from dflash_queue.errors import (
     StatesHandOverFailed,
     UnsupportedArchitecture,
 )
-from dflash_queue.faults import ExtractFaults
 from dflash_queue.shards.training import FINAL_NORM
+from dflash_queue.storage.process_dirs import make_process_dir
 
 log = logging.getLogger(__name__)
 
@@ -118,18 +113,17 @@ SCAN_MAX_S = 0.02
 _DIR_PREFIX = "dfq-states-"
 
 
-def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: str) -> dict[str, Any]:
+def extract_engine_args(setup: VllmExtractSettings, aux_ids: Sequence[int], transfer_dir: str) -> dict[str, Any]:
     """`AsyncEngineArgs` keywords of the extract lane's engine: its settings, extract_hidden_states at `aux_ids`
     (sorted, distinct: the order vLLM caches them in), this package's connector, and what extraction forces."""
-    settings = config.extract.vllm
+    settings = setup.extract.vllm
     extra: dict[str, Any] = {TRANSFER_DIR_KEY: transfer_dir}
-    injected = faults.vllm_states_faults()
-    if injected:
-        extra[FAULTS_KEY] = injected
+    if setup.connector_faults:
+        extra[FAULTS_KEY] = dict(setup.connector_faults)
     return {
-        **common_engine_args(config, settings),
-        "max_model_len": config.extract_context_len(),
-        "max_num_batched_tokens": step_tokens(config),
+        **common_engine_args(setup.model, settings),
+        "max_model_len": setup.context_len,
+        "max_num_batched_tokens": step_tokens(setup),
         "enable_prefix_caching": False,  # see vllm_support.FORCED_SETTINGS
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "kv_cache_dtype": settings.kv_cache_dtype,
@@ -149,18 +143,18 @@ def extract_engine_args(config: Config, aux_ids: Sequence[int], transfer_dir: st
     }
 
 
-def step_tokens(config: Config) -> int:
+def step_tokens(setup: VllmExtractSettings) -> int:
     """Tokens one engine step prefills: extract.vllm.max_num_batched_tokens, else extract.token_budget (the
     Transformers engine's tokens per pass), and never less than one whole sequence without chunked prefill."""
-    settings = config.extract.vllm
-    tokens = settings.max_num_batched_tokens or config.extract.token_budget
-    return tokens if settings.enable_chunked_prefill else max(tokens, config.extract_context_len())
+    settings = setup.extract.vllm
+    tokens = settings.max_num_batched_tokens or setup.extract.token_budget
+    return tokens if settings.enable_chunked_prefill else max(tokens, setup.context_len)
 
 
-def sequences_in_flight(config: Config) -> int:
+def sequences_in_flight(setup: VllmExtractSettings) -> int:
     """The sequences the lane keeps in the engine: every task in flight submits its shard at once."""
-    settings = config.extract.vllm
-    return min(settings.max_num_seqs, settings.inflight_tasks * config.dataset.shard_size)
+    settings = setup.extract.vllm
+    return min(settings.max_num_seqs, settings.inflight_tasks * setup.shard_size)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -183,49 +177,23 @@ def transfer_base(setting: str) -> Path:
     return fallback
 
 
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64]
-
-
-def make_transfer_dir(base: Path) -> Path:
-    """A directory of this engine's own under `base`; those of this host's dead processes are removed first."""
-    base.mkdir(parents=True, exist_ok=True)
-    pattern = re.compile(rf"^{_DIR_PREFIX}{re.escape(_host_tag())}-(\d+)-[0-9a-f]+$")
-    for entry in base.iterdir():
-        match = pattern.match(entry.name)
-        if match and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-    path = base / f"{_DIR_PREFIX}{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    path.mkdir()
-    return path
-
-
-def open_transfer_dir(config: Config, text_config: Any) -> Path:
-    """This engine's transfer directory (`make_transfer_dir` under `transfer_base`), once its file system is seen
-    to hold extract.vllm.inflight_tasks maximal sequences' states; else the worker refuses to start, saying which
-    settings (or the container's --shm-size) fix it, rather than fail every long sample's task later."""
-    base = transfer_base(config.extract.vllm.transfer_dir)
-    directory = make_transfer_dir(base)
-    shortfall = transfer_room_shortfall(config, text_config, directory)
+def open_transfer_dir(setup: VllmExtractSettings, text_config: Any) -> Path:
+    """This engine's transfer directory under `transfer_base` (`process_dirs.make_process_dir`: one of its own, those
+    of this host's dead processes removed), once its file system is seen to hold extract.vllm.inflight_tasks
+    maximal sequences' states; else the worker refuses to start, saying which settings (or the container's
+    --shm-size) fix it, rather than fail every long sample's task later."""
+    base = transfer_base(setup.extract.vllm.transfer_dir)
+    directory = make_process_dir(base, _DIR_PREFIX, tagged=True)
+    shortfall = transfer_room_shortfall(setup, text_config, directory)
     if shortfall:
         shutil.rmtree(directory, ignore_errors=True)
-        raise ConfigError(f"{config.source}: vLLM extract engine: {shortfall}")
+        raise ConfigError(f"{setup.source}: vLLM extract engine: {shortfall}")
     log.info(
         "vLLM extract engine: states pass through %s (%.2f GB free, %.2f GB for %d sequences of %d tokens)",
-        directory, shutil.disk_usage(directory).free / 1e9, transfer_bytes(config, text_config) / 1e9,
-        config.extract.vllm.inflight_tasks, config.extract_context_len(),
+        directory, shutil.disk_usage(directory).free / 1e9, transfer_bytes(setup, text_config) / 1e9,
+        setup.extract.vllm.inflight_tasks, setup.context_len,
     )
     return directory
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class StatesArrivals:
@@ -343,20 +311,20 @@ class VllmStateExtractor:
     name = "vllm"
     mode = "vllm"
 
-    def __init__(self, config: Config) -> None:
-        settings = config.extract.vllm
-        layout = read_layout(config.model.path)
+    def __init__(self, setup: VllmExtractSettings) -> None:
+        settings = setup.extract.vllm
+        layout = read_layout(setup.model.path)
         refusal = vllm_refusal(layout.config)
         if refusal:
-            raise UnsupportedArchitecture(f"{config.model.path}: {refusal}")
+            raise UnsupportedArchitecture(f"{setup.model.path}: {refusal}")
         text: Any = layout.text_config
         self.num_model_layers: int = int(text.num_hidden_layers)
         self.hidden_size: int = int(text.hidden_size)
         self.vocab_size: int = int(text.vocab_size)
         self.layer_ids = resolve_layer_ids(
-            config.extract.layer_ids, self.num_model_layers, config.extract.num_draft_layers
+            setup.extract.layer_ids, self.num_model_layers, setup.extract.num_draft_layers
         )
-        self.captured: list[tuple[int, str]] = config.extract.captured_entries(self.num_model_layers)
+        self.captured: list[tuple[int, str]] = setup.extract.captured_entries(self.num_model_layers)
         wanted = vllm_aux_ids_of_entries(self.captured, self.num_model_layers)
         self.aux_ids = vllm_aux_layer_ids(self.captured, self.num_model_layers)
         # Column of vLLM's states holding each captured entry (the final-norm entry: before its norm).
@@ -366,24 +334,24 @@ class VllmStateExtractor:
         )
         self.concurrent_tasks = settings.inflight_tasks
         self.device = torch.device("cpu")  # states arrive in host memory
-        self.configured_tolerance = config.extract.canary_tolerance
+        self.configured_tolerance = setup.canary_tolerance
         self._captures = iter(range(1 << 62))
         self._captures_lock = threading.Lock()
 
         vllm_runtime.prepare_environment(settings)
-        self.transfer_dir = open_transfer_dir(config, text)
+        self.transfer_dir = open_transfer_dir(setup, text)
         for setting, why in FORCED_SETTINGS:
             log.info("vLLM extract engine: %s (%s)", setting, why)
         if settings.enable_chunked_prefill:
             log.info("vLLM extract engine: chunked prefill on; every sequence is checked whole before it is stored")
-        args = extract_engine_args(config, wanted, str(self.transfer_dir))
+        args = extract_engine_args(setup, wanted, str(self.transfer_dir))
         log.info(
             "vLLM extract engine: max_num_batched_tokens %d (%s)", args["max_num_batched_tokens"],
             "extract.vllm.max_num_batched_tokens" if settings.max_num_batched_tokens else "extract.token_budget",
         )
         try:
             self._resident = ResidentVllmEngine(
-                args, settings, "vllm-extract-loop", in_flight=sequences_in_flight(config)
+                args, settings, "vllm-extract-loop", in_flight=sequences_in_flight(setup)
             )
         except BaseException:
             shutil.rmtree(self.transfer_dir, ignore_errors=True)
@@ -393,12 +361,12 @@ class VllmStateExtractor:
             self.dtype: torch.dtype = model_config.dtype
             self.max_model_len: int = int(model_config.max_model_len)
             self._final_norm = (
-                FinalNorm(config.model.path, self.dtype, layout) if config.extract.final_norm_state else None
+                FinalNorm(setup.model.path, self.dtype, layout) if setup.extract.final_norm_state else None
             )
             self._gate, self._arrivals = self._resident.run(self._make_loop_objects())
             self._coverage = coverage_length_of(text)
             self.calibrated_noise, self._tolerance = self._calibrate()
-            self.reference = self._check_reference(config)
+            self.reference = self._check_reference(setup)
         except BaseException:
             self.close()
             raise
@@ -416,7 +384,6 @@ class VllmStateExtractor:
         self,
         requests: Sequence[ExtractionRequest],
         *,
-        faults: ExtractFaults | None = None,
         deliver: Callable[[int, CapturedStates], None] | None = None,
     ) -> list[CapturedStates]:
         """States and statistics, one per request (request order), or each to `deliver(index, captured)` as soon
@@ -425,8 +392,6 @@ class VllmStateExtractor:
         Raises EngineStatesInvalid (the task fails for good) when the engine's states cannot be the sequence's
         own, NonFiniteHiddenStates naming the samples with NaN or infinite states (after the others were
         delivered), GenerationRejected for a sequence the engine refuses (longer than its context).
-        `faults` concern the Transformers engine's packing and are not used here (the connector's faults stand
-        for this engine's).
         """
         for request in requests:
             if not request.input_ids:
@@ -487,11 +452,9 @@ class VllmStateExtractor:
     def pass_tokens(self) -> int:
         return self.max_model_len
 
-    def run_together(
-        self, requests: Sequence[ExtractionRequest], *, faults: ExtractFaults | None = None
-    ) -> list[CapturedStates]:
+    def run_together(self, requests: Sequence[ExtractionRequest]) -> list[CapturedStates]:
         """These sequences batched in the engine (the order does not matter to it)."""
-        return self.capture(requests, faults=faults)
+        return self.capture(requests)
 
     async def _run_all(
         self, capture: int, requests: Sequence[ExtractionRequest], arrived: queue.Queue[tuple[int, str]]
@@ -618,10 +581,10 @@ class VllmStateExtractor:
                         "(%.2e > %.2e): expect canary mismatches on this engine", noise, tolerance.whole)
         return noise, tolerance
 
-    def _check_reference(self, config: Config) -> ReferenceComparison | None:
+    def _check_reference(self, setup: VllmExtractSettings) -> ReferenceComparison | None:
         """This engine's states of a probe sequence against the checkpoint's own Transformers forward (see
         engines/reference_check.py); raises ReferenceMismatch beyond the dtype's rounding."""
-        settings = config.extract.vllm
+        settings = setup.extract.vllm
         if not settings.reference_layers:
             log.warning("vLLM extract engine: no comparison with the checkpoint's own forward "
                         "(extract.vllm.reference_layers = 0)")
@@ -631,14 +594,14 @@ class VllmStateExtractor:
         probe = probe_requests([avoid_single_token_tail(length, step_tokens)], self.vocab_size, seed=1)[0]
         _, layers = entries_to_compare(self.captured, self.num_model_layers, settings.reference_layers)
         comparison = compare_with_reference(
-            config.model.path,
+            setup.model.path,
             self.captured,
             self.num_model_layers,
             self.dtype,
             self.reference_states(probe),
             probe.input_ids,
             budget=settings.reference_layers,
-            device=reference_device(config.model.path, layers, settings.tensor_parallel_size),
+            device=reference_device(setup.model.path, layers, settings.tensor_parallel_size),
         )
         require_agreement(comparison, "vLLM extract engine")
         log.info("vLLM extract engine: states as the checkpoint's own: %s", comparison.describe())

@@ -18,20 +18,19 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from dflash_queue.config import Config, SamplingConfig
 from dflash_queue.engines import vllm_runtime
 from dflash_queue.engines.base import Generation, GenerationRequest
+from dflash_queue.engines.config import ModelConfig, SamplingConfig, VllmConfig
 from dflash_queue.engines.vllm_runtime import ResidentVllmEngine, common_engine_args, token_prompt
 from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected
 
 log = logging.getLogger(__name__)
 
 
-def engine_args(config: Config) -> dict[str, Any]:
-    """vLLM engine arguments (`AsyncEngineArgs` keywords) from the config."""
-    settings = config.generate.vllm
+def engine_args(model: ModelConfig, settings: VllmConfig) -> dict[str, Any]:
+    """vLLM engine arguments (`AsyncEngineArgs` keywords) of the generate lane's engine."""
     return {
-        **common_engine_args(config, settings),
+        **common_engine_args(model, settings),
         "enable_prefix_caching": settings.enable_prefix_caching,
         "enable_chunked_prefill": settings.enable_chunked_prefill,
         "seed": settings.seed,
@@ -64,26 +63,27 @@ def sampling_kwargs(sampling: SamplingConfig, request: GenerationRequest) -> dic
     }
 
 
-def check_platform(config: Config) -> None:
-    """Settings the installed vLLM build cannot run with; fails before any engine process starts."""
+def check_platform(settings: VllmConfig, sampling: SamplingConfig, source: str = "<memory>") -> None:
+    """Settings the installed vLLM build cannot run with; fails before any engine process starts (`source`: the
+    configuration file, named in the error)."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu() and config.generate.vllm.enable_chunked_prefill:
+    if current_platform.is_cpu() and settings.enable_chunked_prefill:
         # Every request carries a seed; after a partial prefill vLLM rewinds that request's random generator,
         # which only CUDA generators support.
         raise ConfigError(
-            f"{config.source}: generate.vllm.enable_chunked_prefill must be false with vLLM's CPU build "
+            f"{source}: generate.vllm.enable_chunked_prefill must be false with vLLM's CPU build "
             "(it cannot rewind a seeded request's generator after a partial prefill)"
         )
-    speculative = config.generate.vllm.engine_args.get("speculative_config")
+    speculative = settings.engine_args.get("speculative_config")
     if (
         current_platform.is_cpu()
         and speculative
-        and config.generate.sampling.temperature > 0
+        and sampling.temperature > 0
         and not cpu_rejection_sampler_expands()
     ):
         raise ConfigError(
-            f"{config.source}: generate.vllm.engine_args.speculative_config needs generate.sampling.temperature = 0 "
+            f"{source}: generate.vllm.engine_args.speculative_config needs generate.sampling.temperature = 0 "
             "with this vLLM CPU build: its rejection sampler leaves the temperature, top_p and top_k of drafted "
             "positions unset (uninitialised memory), so sampled replies are neither seeded nor from the configured "
             "distribution, and a top_k crashes the engine"
@@ -106,18 +106,15 @@ def cpu_rejection_sampler_expands() -> bool:
     return output.tolist() == [0.5, 2.0, 2.0]
 
 
-def prepare_environment(config: Config) -> None:
-    """Environment vLLM reads at start-up; must run before its engine is created."""
-    vllm_runtime.prepare_environment(config.generate.vllm)
-
-
 class VllmGenerateEngine:
     name = "vllm"
 
-    def __init__(self, config: Config) -> None:
-        self.sampling: SamplingConfig = config.generate.sampling
-        prepare_environment(config)
-        check_platform(config)
+    def __init__(
+        self, model: ModelConfig, settings: VllmConfig, sampling: SamplingConfig, *, source: str = "<memory>"
+    ) -> None:
+        self.sampling = sampling
+        vllm_runtime.prepare_environment(settings)
+        check_platform(settings, sampling, source)
         # Imported here: vLLM is optional and slow to import; the Transformers engine never needs it.
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -125,7 +122,7 @@ class VllmGenerateEngine:
         self._sampling_params = SamplingParams
         self._final_only = RequestOutputKind.FINAL_ONLY
         self._request_ids = itertools.count()
-        self._resident = ResidentVllmEngine(engine_args(config), config.generate.vllm, "vllm-engine-loop")
+        self._resident = ResidentVllmEngine(engine_args(model, settings), settings, "vllm-engine-loop")
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """One generation per request, in request order. Safe to call from several threads at once."""

@@ -16,9 +16,8 @@ import stat
 from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
-from dflash_queue.config import Config
 from dflash_queue.engines import vllm_host
-from dflash_queue.engines.config import VllmEngineSettings
+from dflash_queue.engines.config import ModelConfig, VllmEngineSettings
 from dflash_queue.engines.loop_thread import EventLoopThread
 from dflash_queue.errors import EngineStartFailed, EngineUnavailable
 
@@ -31,13 +30,13 @@ ENGINE_CHECK_INTERVAL_S = 1.0
 ABORT_WAIT_S = 5.0
 
 
-def common_engine_args(config: Config, settings: VllmEngineSettings) -> dict[str, Any]:
+def common_engine_args(model: ModelConfig, settings: VllmEngineSettings) -> dict[str, Any]:
     """`AsyncEngineArgs` keywords both lanes set the same way from their `vllm` section, engine_args included."""
     args: dict[str, Any] = {
-        "model": config.model.path,
-        "tokenizer": config.model.tokenizer_path,
-        "served_model_name": config.model.display_name,
-        "dtype": settings.dtype or config.model.dtype,
+        "model": model.path,
+        "tokenizer": model.tokenizer_path,
+        "served_model_name": model.display_name,
+        "dtype": settings.dtype or model.dtype,
         "tensor_parallel_size": settings.tensor_parallel_size,
         "gpu_memory_utilization": settings.gpu_memory_utilization,
         "max_num_seqs": settings.max_num_seqs,
@@ -50,7 +49,7 @@ def common_engine_args(config: Config, settings: VllmEngineSettings) -> dict[str
         args["max_num_batched_tokens"] = settings.max_num_batched_tokens
     if settings.kv_cache_memory_gib:
         args["kv_cache_memory_bytes"] = int(settings.kv_cache_memory_gib * 2**30)
-    if is_multimodal(config.model.path):
+    if is_multimodal(model.path):
         # Prompts here are text: no image or video inputs, so vLLM neither profiles nor reserves memory for them.
         args["language_model_only"] = True
     # Checked when the config loaded: none of them is a key set above or by a lane (vllm_args refuses those).

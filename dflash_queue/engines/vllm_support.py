@@ -7,14 +7,14 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dflash_queue.engines.config import ExtractEngineSettings, ModelConfig
 from dflash_queue.engines.devices import GPU_DTYPE_BYTES
 from dflash_queue.engines.layers import vllm_aux_layer_ids
-
-if TYPE_CHECKING:
-    from dflash_queue.config import Config
 
 log = logging.getLogger(__name__)
 GB = 1000**3
@@ -83,39 +83,57 @@ def _version() -> str:
         return "?"
 
 
+@dataclass(frozen=True)
+class VllmExtractSettings:
+    """What the extract lane's vLLM engine is built from: the model and extract sections, and the few figures it
+    takes from the rest of the configuration."""
+
+    model: ModelConfig
+    extract: ExtractEngineSettings
+    context_len: int
+    """The engine's max_model_len: extract.vllm.max_model_len, else the longest sequence staging admits plus one."""
+    shard_size: int
+    """Samples per task (dataset.shard_size): every task in flight submits its shard at once."""
+    canary_tolerance: float = 0.0
+    """extract.canary_tolerance; 0: calibrated when the engine loads."""
+    source: str = "<memory>"
+    """The configuration file, named in errors."""
+    connector_faults: Mapping[str, Any] = field(default_factory=dict)
+    """What the KV connector alters on purpose (the test suite's `faults.vllm_states_faults`); empty normally."""
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The transfer directory's room
 
 
-def sample_states_bytes(config: Config, text_config: Any) -> int:
+def sample_states_bytes(settings: VllmExtractSettings, text_config: Any) -> int:
     """The states the connector hands over for one sequence of the engine's whole context (max_model_len tokens),
     at every aux layer the engine caches, in its dtype: the largest file in the transfer directory."""
     num_layers = int(text_config.num_hidden_layers)
-    aux = vllm_aux_layer_ids(config.extract.captured_entries(num_layers), num_layers)
-    dtype_bytes = GPU_DTYPE_BYTES[config.extract.vllm.dtype or config.model.dtype]
-    return config.extract_context_len() * len(aux) * int(text_config.hidden_size) * dtype_bytes
+    aux = vllm_aux_layer_ids(settings.extract.captured_entries(num_layers), num_layers)
+    dtype_bytes = GPU_DTYPE_BYTES[settings.extract.vllm.dtype or settings.model.dtype]
+    return settings.context_len * len(aux) * int(text_config.hidden_size) * dtype_bytes
 
 
-def transfer_bytes(config: Config, text_config: Any) -> int:
+def transfer_bytes(settings: VllmExtractSettings, text_config: Any) -> int:
     """Room the transfer directory needs: one maximal sequence's states for each task in flight
     (extract.vllm.inflight_tasks); the directory holds a few sequences at a time."""
-    return sample_states_bytes(config, text_config) * config.extract.vllm.inflight_tasks
+    return sample_states_bytes(settings, text_config) * settings.extract.vllm.inflight_tasks
 
 
-def transfer_room_shortfall(config: Config, text_config: Any, directory: Path) -> str | None:
+def transfer_room_shortfall(settings: VllmExtractSettings, text_config: Any, directory: Path) -> str | None:
     """Why `directory` cannot take the states of extract.vllm.inflight_tasks maximal sequences (None: it can),
     with the settings and the container option that fix it. The worker refuses to start on it; `doctor` fails."""
     free = shutil.disk_usage(directory).free
-    needed = transfer_bytes(config, text_config)
+    needed = transfer_bytes(settings, text_config)
     if free >= needed:
         return None
-    settings = config.extract.vllm
-    one = sample_states_bytes(config, text_config)
+    one = sample_states_bytes(settings, text_config)
     shm_gb = max(1, math.ceil(needed * 1.25 / 1024**3))
     return (
         f"the transfer directory {directory} has {_size(free)} free, less than the {_size(needed)} that "
-        f"extract.vllm.inflight_tasks ({settings.inflight_tasks}) sequences of max_model_len "
-        f"({config.extract_context_len():,} tokens, {_size(one)} of states each) need: give the container more "
+        f"extract.vllm.inflight_tasks ({settings.extract.vllm.inflight_tasks}) sequences of max_model_len "
+        f"({settings.context_len:,} tokens, {_size(one)} of states each) need: give the container more "
         f"shared memory (docker run --shm-size={shm_gb}g), point extract.vllm.transfer_dir at a larger tmpfs, or "
         "lower extract.vllm.inflight_tasks or extract.vllm.max_model_len"
     )

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Sample
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.shards.completions import CompletionRecord, decode_completions
 from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts

@@ -234,7 +234,8 @@ def _window_canary(
     position = len(together) - 1
 
     def in_a_pass() -> torch.Tensor:
-        return engine.run_together(together, faults=faults.extract_faults() or None)[position].states
+        with faults.extract_faults_applied(faults.extract_faults()):
+            return engine.run_together(together)[position].states
 
     recheck = None
     try:

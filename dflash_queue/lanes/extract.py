@@ -40,6 +40,7 @@ from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
+from dflash_queue.engines.vllm_support import VllmExtractSettings
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
@@ -315,7 +316,8 @@ class ExtractLane:
         self, requests: list[ExtractionRequest], deliver: Callable[[int, CapturedStates], None], *, shard_id: str = ""
     ) -> None:
         faults.check_poison("extract", (r.sample_id for r in requests))
-        self.extractor.capture(requests, faults=faults.extract_faults(shard_id) or None, deliver=deliver)
+        with faults.extract_faults_applied(faults.extract_faults(shard_id)):
+            self.extractor.capture(requests, deliver=deliver)
 
     def _canary_tolerance(self) -> CanaryTolerance:
         configured = self.config.extract.canary_tolerance
@@ -357,7 +359,7 @@ def build_extractor(config: Config) -> ExtractEngine:
     if config.extract.engine == "vllm":
         from dflash_queue.engines.vllm_extract import VllmStateExtractor
 
-        return VllmStateExtractor(config)
+        return VllmStateExtractor(vllm_extract_settings(config))
     from dflash_queue.engines.hf_extract import HiddenStateExtractor
 
     return HiddenStateExtractor(
@@ -372,4 +374,17 @@ def build_extractor(config: Config) -> ExtractEngine:
         packing=config.extract.packing,
         final_norm_state=config.extract.final_norm_state,
         last_layer_state=config.extract.last_layer_state,
+    )
+
+
+def vllm_extract_settings(config: Config) -> VllmExtractSettings:
+    """What the vLLM extract engine is built from, taken from the whole configuration."""
+    return VllmExtractSettings(
+        model=config.model,
+        extract=config.extract,
+        context_len=config.extract_context_len(),
+        shard_size=config.dataset.shard_size,
+        canary_tolerance=config.extract.canary_tolerance,
+        source=config.source,
+        connector_faults=faults.vllm_states_faults(),
     )

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 
 from dflash_queue import faults
 from dflash_queue.config import Config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.base import GenerateEngine
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.lanes.isolation import run_isolating
 from dflash_queue.lanes.turns import TurnGenerator
 from dflash_queue.quality.checks import TokenMarkers
@@ -172,11 +172,13 @@ def build_generate_engine(config: Config) -> GenerateEngine:
     if config.generate.engine == "transformers":
         from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 
-        return TransformersGenerateEngine(config)
+        return TransformersGenerateEngine(
+            config.model, config.generate.sampling, batch_size=config.generate.batch_size
+        )
     if config.generate.engine == "vllm":
         from dflash_queue.engines.vllm_generate import VllmGenerateEngine
 
-        return VllmGenerateEngine(config)
+        return VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling, source=config.source)
     if config.generate.engine == "server":
         from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine
 

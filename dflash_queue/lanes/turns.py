@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerateEngine, Generation, GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.quality.gate import DROP, RETRY, QualityGate, TurnVerdict, combine_turns
 from dflash_queue.shards.completions import CompletionRecord, ServedTurn, TurnSpan
 

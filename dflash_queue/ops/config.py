@@ -6,7 +6,7 @@ from typing import Annotated
 
 from pydantic import Field
 
-from dflash_queue.settings import PositiveInt, Section
+from dflash_queue.config.sections import PositiveInt, Section
 
 
 class FlowerConfig(Section):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_queue.config import Config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Sample
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.lanes.registry import LANES
 
 # Expected completion tokens per prompt before any measurement, capped by generate.sampling.max_tokens.

@@ -10,9 +10,9 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from dflash_queue.config.sections import PositiveFloat, PositiveInt, Section
 from dflash_queue.errors import ConfigError
 from dflash_queue.redaction import redact
-from dflash_queue.settings import PositiveFloat, PositiveInt, Section
 
 # Where the broker's password comes from, first found first: the password itself, a file holding it, then
 # broker.password_file. Never from the config file, which is copied to every node.

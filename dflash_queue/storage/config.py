@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from dflash_queue.settings import PositiveFloat, Section
+from dflash_queue.config.sections import PositiveFloat, Section
 from dflash_queue.storage.urls import check_storage_url
 
 

@@ -6,23 +6,22 @@ stores it (`upload`, which returns a future). At most `max_pending` shards are s
 `stage` blocks while that many are in flight, which is the back-pressure. The staged file is removed once its
 upload finished, whether it succeeded or not (a failed task recomputes its shard).
 
-Each process stages into its own sub-directory (host and pid in the name); sub-directories of dead processes on
-this host are removed when an uploader starts.
+Each process stages into its own sub-directory (`process_dirs`: host and pid in the name); those of dead processes
+on this host are removed when an uploader starts.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
-import socket
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_queue.storage.base import Storage
+from dflash_queue.storage.process_dirs import make_process_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,36 +55,6 @@ class StagedFile:
             self.release()
 
 
-def _host_tag() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())[:64]
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_abandoned_staging(root: Path) -> list[Path]:
-    """Remove staging sub-directories left on this host by processes that no longer run."""
-    removed: list[Path] = []
-    if not root.is_dir():
-        return removed
-    pattern = re.compile(rf"^{re.escape(_host_tag())}-(\d+)$")
-    for entry in root.iterdir():
-        match = pattern.match(entry.name)
-        if entry.is_dir() and match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    if removed:
-        log.info("removed %d abandoned staging directories under %s", len(removed), root)
-    return removed
-
-
 class ShardUploader:
     def __init__(
         self, storage: Storage, staging_root: Path, *, max_pending: int = 2, parallel_uploads: int = 2
@@ -95,9 +64,7 @@ class ShardUploader:
         self.storage = storage
         self.max_pending = max_pending
         self.staging_root = Path(staging_root)
-        remove_abandoned_staging(self.staging_root)
-        self.directory = self.staging_root / f"{_host_tag()}-{os.getpid()}"
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = make_process_dir(self.staging_root)
         self._slots = threading.Semaphore(max_pending)
         self._pending = 0
         self._lock = threading.Lock()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.length import Counted, LengthFilter, source_position
 from dflash_queue.data.problems import BadRecord
 from dflash_queue.data.samples import SLOT, Message, Sample, sample_id
-from dflash_queue.engines.chat import ChatFormatter
 
 
 def make(text: str, *, thinking: bool = True, source: str = "d.jsonl:1", all_turns: bool = False) -> Sample:

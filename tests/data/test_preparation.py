@@ -17,9 +17,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.data import preparation
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.length import source_position
 from dflash_queue.data.samples import EncodedSample
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
 from dflash_queue.runstate.ledger import Ledger

@@ -16,6 +16,7 @@ from dflash_queue.doctor.gpu import GIB, GpuInfo
 from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
 from dflash_queue.engines.vllm_support import FORCED_SETTINGS, transfer_bytes
+from dflash_queue.lanes.extract import vllm_extract_settings
 from dfq_testing.configs import local_copy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
     )
     text = AutoConfig.from_pretrained(config.model.path)
     # 1,024 tokens x 3 aux layers (layers 1, 2, 3) x hidden 128 x 4 bytes (float32) x 2 tasks.
-    assert transfer_bytes(config, text) == 1024 * 3 * 128 * 4 * 2 == 3_145_728
+    assert transfer_bytes(vllm_extract_settings(config), text) == 1024 * 3 * 128 * 4 * 2 == 3_145_728
     passed = check_transfer_dir(config, text)
     assert passed.verdict == "pass" and passed.detail.endswith("2 sequence(s) of 1,024 tokens need 0.0 GB")
     assert list(transfer.iterdir()) == []  # the probe file is gone

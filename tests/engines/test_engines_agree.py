@@ -11,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.config import load_config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 from dflash_queue.lanes.generate import GenerateLane
 from dflash_queue.shards.completions import decode_completions
@@ -69,7 +69,7 @@ def check_ends(generations, engine_name, tokenizer, eos_ids, pad_id):
 
 @pytest.mark.parametrize("pad_is_eos", [True, False])
 def test_the_transformers_engine_keeps_only_what_the_model_produced(config, requests_, tiny_model, pad_is_eos):
-    engine = TransformersGenerateEngine(config.with_overrides(generate={"engine": "transformers", "batch_size": 16}))
+    engine = TransformersGenerateEngine(config.model, config.generate.sampling, batch_size=16)
     assert engine.pad_id in engine.eos_ids
     if not pad_is_eos:
         engine.pad_id = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")  # never generated, not an EOS
@@ -83,14 +83,14 @@ def test_the_transformers_engine_keeps_only_what_the_model_produced(config, requ
 def vllm_engine(config):
     from dflash_queue.engines.vllm_generate import VllmGenerateEngine
 
-    engine = VllmGenerateEngine(config)
+    engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
     yield engine
     engine.close()
 
 
 @pytest.mark.vllm
 def test_vllm_and_transformers_end_greedy_replies_alike(config, requests_, vllm_engine):
-    hf = TransformersGenerateEngine(config.with_overrides(generate={"engine": "transformers", "batch_size": 16}))
+    hf = TransformersGenerateEngine(config.model, config.generate.sampling, batch_size=16)
     expected = hf.generate(requests_)
     hf.close()
     got = vllm_engine.generate(requests_)
@@ -125,7 +125,7 @@ def test_ngram_speculative_decoding_leaves_greedy_replies_unchanged_through_the_
     replies, accepted = {}, {}
     for name in ("plain", "ngram"):
         storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
-        engine = vllm_engine if name == "plain" else VllmGenerateEngine(speculative)
+        engine = vllm_engine if name == "plain" else VllmGenerateEngine(speculative.model, speculative.generate.vllm, speculative.generate.sampling)
         try:
             before = spec_decode_counts()
             assert not GenerateLane(speculative if engine is not vllm_engine else config, engine, storage).run(

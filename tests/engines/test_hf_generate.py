@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 
 
@@ -21,7 +21,7 @@ def engine_config(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(engine_config):
-    return TransformersGenerateEngine(engine_config)
+    return TransformersGenerateEngine(engine_config.model, engine_config.generate.sampling, batch_size=engine_config.generate.batch_size)
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,10 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_queue.config import Config, load_config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import Generation, GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.config import SamplingConfig
 from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine, ServerRejectedSample
 from dflash_queue.engines.vllm_generate import VllmGenerateEngine
@@ -83,7 +83,7 @@ def reference(tiny_model, tmp_path_factory, topic_requests, job_requests) -> dic
     tmp = tmp_path_factory.mktemp("reference")
     tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
     config = load_config(write_config(tmp / "vllm.toml", tables, **tiny_vllm_overrides(), **{"generate.sampling": SAMPLED}))
-    engine = VllmGenerateEngine(config)
+    engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
     try:
         sampled = engine.generate(topic_requests + job_requests)
         # The engine reads its sampling settings per request: the same engine, greedy.

@@ -13,6 +13,7 @@ from dflash_queue.engines import vllm_args
 from dflash_queue.engines.vllm_extract import extract_engine_args
 from dflash_queue.engines.vllm_generate import engine_args
 from dflash_queue.errors import ConfigError
+from dflash_queue.lanes.extract import vllm_extract_settings
 from dflash_queue.runstate.run_identity import RunIdentity
 from dflash_queue.shards.training import ShardInfo
 from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
@@ -49,10 +50,10 @@ def test_any_engine_argument_reaches_the_engines_of_both_lanes(load):
         generate_args={"speculative_config": NGRAM, "kv_cache_dtype": "fp8", "block_size": 16},
         extract_args={"quantization": "fp8", "max_num_scheduled_tokens": 512},
     )
-    generate = engine_args(config)
+    generate = engine_args(config.model, config.generate.vllm)
     assert generate["speculative_config"] == NGRAM and generate["kv_cache_dtype"] == "fp8"
     assert generate["block_size"] == 16 and generate["seed"] == config.generate.vllm.seed
-    extract = extract_engine_args(config, [1, 2], "/dev/shm/x")
+    extract = extract_engine_args(vllm_extract_settings(config), [1, 2], "/dev/shm/x")
     assert extract["quantization"] == "fp8" and extract["max_num_scheduled_tokens"] == 512
     assert extract["speculative_config"]["method"] == "extract_hidden_states"
     from vllm.engine.arg_utils import AsyncEngineArgs

@@ -24,7 +24,7 @@ from dflash_queue.engines.state_checks import (
 )
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import EngineStatesInvalid
-from dflash_queue.lanes.extract import ExtractLane
+from dflash_queue.lanes.extract import ExtractLane, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER, TrainingShard
@@ -93,7 +93,7 @@ def extractor(config):
     """One engine for the module, its connector told to break the states of the `fault-*` samples only."""
     faults.install({"extract_vllm_states": FAULTS})
     try:
-        engine = VllmStateExtractor(config)
+        engine = VllmStateExtractor(vllm_extract_settings(config))
     finally:
         faults.uninstall()
     yield engine

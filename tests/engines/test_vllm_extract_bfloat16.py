@@ -29,7 +29,7 @@ from dflash_queue.engines.state_checks import (
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import EngineStatesInvalid
 from dflash_queue.lanes.canaries import CanaryPicker
-from dflash_queue.lanes.extract import ExtractLane
+from dflash_queue.lanes.extract import ExtractLane, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -73,7 +73,7 @@ def engine(request, tiny_family, tmp_path_factory):
     assert config.extract.canary_samples == 1
     faults.install({"extract_vllm_states": FAULTS})
     try:
-        extractor = VllmStateExtractor(config)
+        extractor = VllmStateExtractor(vllm_extract_settings(config))
     finally:
         faults.uninstall()
     yield family, config, extractor

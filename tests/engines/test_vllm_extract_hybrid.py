@@ -14,6 +14,7 @@ from dflash_queue.config import load_config
 from dflash_queue.engines.base import ExtractionRequest
 from dflash_queue.engines.state_checks import compare_states
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
+from dflash_queue.lanes.extract import vllm_extract_settings
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.references import reference_model, reference_states
 
@@ -39,7 +40,7 @@ def test_a_hybrid_target_extracts_as_exactly_as_bfloat16_allows(tiny_family, tmp
     requests = [
         ExtractionRequest(f"s-{i}", [rng.randrange(1000) for _ in range(n)]) for i, n in enumerate([11, 64, 90, 200])
     ]
-    engine = VllmStateExtractor(config)
+    engine = VllmStateExtractor(vllm_extract_settings(config))
     try:
         assert engine.dtype == torch.bfloat16
         captured = engine.capture(requests)

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import NonFiniteHiddenStates
-from dflash_queue.lanes.extract import ExtractLane
+from dflash_queue.lanes.extract import ExtractLane, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -67,7 +67,7 @@ def test_states_the_engine_finds_non_finite_cost_their_sample_alone(config, monk
         storage.write_bytes(completions_key(shard_id), encode_completions(records))
 
     inject_faults({"extract_vllm_states": {"nonfinite": NONFINITE}})
-    engine = VllmStateExtractor(config)
+    engine = VllmStateExtractor(vllm_extract_settings(config))
     received: list[str] = []
     receive = engine._receive
 

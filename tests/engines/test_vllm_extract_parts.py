@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,9 +17,9 @@ from dflash_queue.engines.vllm_extract import (
     EngineGate,
     StatesArrivals,
     extract_engine_args,
-    make_transfer_dir,
 )
 from dflash_queue.errors import EngineStatesInvalid, StatesHandOverFailed
+from dflash_queue.lanes.extract import vllm_extract_settings
 
 
 def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
@@ -30,7 +28,7 @@ def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
         extract={"engine": "vllm", "layer_ids": [4, 0], "final_norm_state": True},
         **{"extract.vllm": {"tensor_parallel_size": 2, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}},
     )
-    args = extract_engine_args(config, [5, 1, 6], "/dev/shm/x")
+    args = extract_engine_args(vllm_extract_settings(config), [5, 1, 6], "/dev/shm/x")
     assert args["enable_prefix_caching"] is False
     assert args["max_model_len"] == 1001  # the longest staged sequence and the one token vLLM samples after it
     assert args["pipeline_parallel_size"] == 1 and args["tensor_parallel_size"] == 2
@@ -44,7 +42,7 @@ def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
     assert transfer["kv_connector_extra_config"] == {"transfer_dir": "/dev/shm/x"}  # no faults unless injected
     faults.install({"extract_vllm_states": {"zero": ["a"]}})
     try:
-        injected = extract_engine_args(config, [1], "/dev/shm/x")["kv_transfer_config"]["kv_connector_extra_config"]
+        injected = extract_engine_args(vllm_extract_settings(config), [1], "/dev/shm/x")["kv_transfer_config"]["kv_connector_extra_config"]
     finally:
         faults.uninstall()
     assert injected["faults"] == {"zero": ["a"]}
@@ -54,16 +52,16 @@ def test_the_engine_steps_extract_token_budget_tokens_unless_told_otherwise(make
     """vLLM's own default under the engine context is 2,048 tokens a step; the lane's token budget is the figure
     its operator sized (and the Transformers engine's tokens per pass)."""
     config = make_config(dataset={"max_model_len": 1000}, extract={"engine": "vllm", "token_budget": 6000})
-    assert extract_engine_args(config, [1], "/dev/shm/x")["max_num_batched_tokens"] == 6000
+    assert extract_engine_args(vllm_extract_settings(config), [1], "/dev/shm/x")["max_num_batched_tokens"] == 6000
     small = make_config("small.toml", dataset={"max_model_len": 1000}, extract={"engine": "vllm", "token_budget": 300})
-    assert extract_engine_args(small, [1], "/dev/shm/x")["max_num_batched_tokens"] == 300  # chunked prefill
+    assert extract_engine_args(vllm_extract_settings(small), [1], "/dev/shm/x")["max_num_batched_tokens"] == 300  # chunked prefill
     unchunked = make_config("unchunked.toml", dataset={"max_model_len": 1000},
                             extract={"engine": "vllm", "token_budget": 300},
                             **{"extract.vllm": {"enable_chunked_prefill": False}})
-    assert extract_engine_args(unchunked, [1], "/dev/shm/x")["max_num_batched_tokens"] == 1001  # a whole sequence
+    assert extract_engine_args(vllm_extract_settings(unchunked), [1], "/dev/shm/x")["max_num_batched_tokens"] == 1001  # a whole sequence
     told = make_config("told.toml", extract={"engine": "vllm", "token_budget": 6000},
                        **{"extract.vllm": {"max_num_batched_tokens": 512}})
-    assert extract_engine_args(told, [1], "/dev/shm/x")["max_num_batched_tokens"] == 512
+    assert extract_engine_args(vllm_extract_settings(told), [1], "/dev/shm/x")["max_num_batched_tokens"] == 512
 
 
 @pytest.mark.vllm
@@ -115,22 +113,6 @@ def test_the_final_norm_is_the_checkpoints_own_module_and_weights(tiny_family, f
     torch.testing.assert_close(FinalNorm(str(path), torch.float32)(states), norm(states), rtol=0, atol=0)
 
 
-def test_a_transfer_directory_is_the_engines_own_and_dead_processes_ones_are_removed(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    pid = int(dead.stdout)
-    first = make_transfer_dir(tmp_path)
-    host = first.name.split("-")[2]
-    left = tmp_path / f"dfq-states-{host}-{pid}-0abc"
-    left.mkdir()
-    (left / "c1.0-x.safetensors").write_bytes(b"states")
-    other_host = tmp_path / f"dfq-states-elsewhere-{pid}-0abc"
-    other_host.mkdir()
-    second = make_transfer_dir(tmp_path)
-    assert not left.exists()  # its process is gone
-    assert first.is_dir() and second.is_dir() and first != second  # this process's engines: both kept
-    assert other_host.is_dir()  # another host's: not this host's to judge
-
-
 def test_states_arrive_when_their_file_appears_whole_or_fail_with_the_connectors_reason(tmp_path):
     async def scenario():
         arrivals = StatesArrivals(tmp_path)
@@ -179,16 +161,16 @@ def test_the_transfer_directory_must_hold_the_tasks_in_flight(make_config, tmp_p
     config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {**settings, "inflight_tasks": 2}})
     text = AutoConfig.from_pretrained(config.model.path)
     # 4,096 tokens x 3 aux layers (layers 1, 2, 3 of the tiny model) x hidden 128 x 2 bytes (bfloat16).
-    assert sample_states_bytes(config, text) == 4096 * 3 * 128 * 2
-    assert transfer_bytes(config, text) == 2 * sample_states_bytes(config, text)
-    directory = open_transfer_dir(config, text)
+    assert sample_states_bytes(vllm_extract_settings(config), text) == 4096 * 3 * 128 * 2
+    assert transfer_bytes(vllm_extract_settings(config), text) == 2 * sample_states_bytes(vllm_extract_settings(config), text)
+    directory = open_transfer_dir(vllm_extract_settings(config), text)
     assert directory.parent == base and directory.is_dir()
     # As many tasks in flight as this file system's free room holds maximal sequences, and one more.
-    fitting = shutil.disk_usage(base).free // sample_states_bytes(config, text)
+    fitting = shutil.disk_usage(base).free // sample_states_bytes(vllm_extract_settings(config), text)
     crowded = make_config("crowded.toml", extract={"engine": "vllm"},
                           **{"extract.vllm": {**settings, "inflight_tasks": fitting + 1}})
     with pytest.raises(ConfigError) as refused:
-        open_transfer_dir(crowded, text)
+        open_transfer_dir(vllm_extract_settings(crowded), text)
     message = str(refused.value)
     assert message.startswith(f"{crowded.source}: vLLM extract engine: the transfer directory {base}/dfq-states-")
     assert f"extract.vllm.inflight_tasks ({fitting + 1}) sequences of max_model_len (4,096 tokens" in message

@@ -9,9 +9,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.config import load_config
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.engines.vllm_generate import (
     VllmGenerateEngine,
     check_platform,
@@ -45,7 +45,7 @@ def vllm_config(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(vllm_config):
-    engine = VllmGenerateEngine(vllm_config)
+    engine = VllmGenerateEngine(vllm_config.model, vllm_config.generate.vllm, vllm_config.generate.sampling)
     yield engine
     engine.close()
 
@@ -96,31 +96,31 @@ def test_sampling_follows_the_config_with_a_seed_per_sample(vllm_config):
 
 
 def test_engine_arguments_pass_the_settings_through(vllm_config):
-    args = engine_args(vllm_config)
+    args = engine_args(vllm_config.model, vllm_config.generate.vllm)
     assert args["model"] == vllm_config.model.path
     assert args["dtype"] == "float32" and args["max_model_len"] == 1024 and args["max_num_seqs"] == 32
     assert args["kv_cache_memory_bytes"] == 2**30 and args["enforce_eager"] is True
     assert "max_num_batched_tokens" not in args  # 0 leaves vLLM's default
     settings = vllm_config.generate.vllm.model_dump()
     follows_model = vllm_config.with_overrides(model={"dtype": "bfloat16"}, generate={"vllm": {**settings, "dtype": ""}})
-    assert engine_args(follows_model)["dtype"] == "bfloat16"
+    assert engine_args(follows_model.model, follows_model.generate.vllm)["dtype"] == "bfloat16"
     assert "language_model_only" not in args
 
 
 def test_a_multimodal_checkpoint_runs_its_language_model_only(vllm_config, tiny_family):
     multimodal = vllm_config.with_overrides(model={"path": str(tiny_family("qwen3_5"))})
-    assert engine_args(multimodal)["language_model_only"] is True
+    assert engine_args(multimodal.model, multimodal.generate.vllm)["language_model_only"] is True
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    assert AsyncEngineArgs(**engine_args(multimodal)).language_model_only  # vLLM takes the argument
+    assert AsyncEngineArgs(**engine_args(multimodal.model, multimodal.generate.vllm)).language_model_only  # vLLM takes the argument
 
 
 def test_cpu_build_refuses_chunked_prefill_before_starting(vllm_config):
     settings = vllm_config.generate.vllm.model_dump()
     chunked = vllm_config.with_overrides(generate={"vllm": {**settings, "enable_chunked_prefill": True}})
     with pytest.raises(ConfigError, match=r"generate\.vllm\.enable_chunked_prefill must be false"):
-        check_platform(chunked)
-    check_platform(vllm_config)
+        check_platform(chunked.generate.vllm, chunked.generate.sampling, chunked.source)
+    check_platform(vllm_config.generate.vllm, vllm_config.generate.sampling, vllm_config.source)
 
 
 def test_generations_keep_vllms_ids_and_finish_reasons(generations, requests, eos_ids):
@@ -202,7 +202,7 @@ def test_a_refused_request_names_its_sample_and_spares_the_engine(engine, reques
 
 def test_close_stops_vllms_processes(vllm_config, requests):
     before = {p.pid for p in descendants(os.getpid())}
-    engine = VllmGenerateEngine(vllm_config)
+    engine = VllmGenerateEngine(vllm_config.model, vllm_config.generate.vllm, vllm_config.generate.sampling)
     started = {p: " ".join(p.cmdline()) for p in descendants(os.getpid()) if p.pid not in before}
     assert any("EngineCore" in p.name() for p in started), describe(list(started))
     assert len(engine.generate(requests[:3])) == 3

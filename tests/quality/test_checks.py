@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message
-from dflash_queue.engines.chat import ChatFormatter
 from dflash_queue.quality.checks import LoopRule, TokenMarkers, assess_turn, loop_period
 from dflash_queue.quality.config import QualityConfig
 from dflash_queue.quality.gate import DROP, FLAG, KEEP, RETRY, GateCounts, QualityGate, Verdict, gate_summary

@@ -11,8 +11,9 @@ import pytest
 from dflash_queue.errors import StorageAccessError
 from dflash_queue.storage import LocalStorage
 from dflash_queue.storage.config import S3Config
+from dflash_queue.storage.process_dirs import host_tag
 from dflash_queue.storage.s3 import S3Storage
-from dflash_queue.storage.uploader import ShardUploader, UploaderFull, _host_tag
+from dflash_queue.storage.uploader import ShardUploader, UploaderFull
 
 
 def test_back_pressure_when_max_pending_shards_wait(tmp_path):
@@ -86,10 +87,10 @@ def test_staging_left_by_dead_processes_is_removed(tmp_path):
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(finished.stdout)
     root = tmp_path / "staging"
-    abandoned = root / f"{_host_tag()}-{dead_pid}"
+    abandoned = root / f"{host_tag()}-{dead_pid}"
     abandoned.mkdir(parents=True)
     (abandoned / "x.part").write_bytes(b"left over")
-    alive = root / f"{_host_tag()}-{os.getppid()}"  # a running process: kept
+    alive = root / f"{host_tag()}-{os.getppid()}"  # a running process: kept
     alive.mkdir()
     other_host = root / f"another-host-{dead_pid}"  # another machine's: kept
     other_host.mkdir()

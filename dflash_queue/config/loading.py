@@ -14,24 +14,25 @@ import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
+from dflash_queue.config.sections import Section
 from dflash_queue.data.config import DatasetConfig
 from dflash_queue.engines.config import (
-    ExtractConfig,
     ExtractVllmConfig,
     GenerateConfig,
+    ModelConfig,
     SamplingConfig,
     VllmConfig,
 )
 from dflash_queue.engines.vllm_args import NESTED_KEY_ERROR, output_args
 from dflash_queue.errors import ConfigError
+from dflash_queue.lanes.config import ExtractConfig
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
 from dflash_queue.queue.config import PASSWORD_ENV, PASSWORD_FILE_ENV, BrokerConfig
-from dflash_queue.settings import Section
 from dflash_queue.storage.config import S3Config, StorageConfig, UploaderConfig
 
 __all__ = [
@@ -65,27 +66,6 @@ class RunConfig(Section):
     """Namespaces every Redis key of this deployment, so two runs can share one Redis database."""
     state_dir: str = ".dfq-state"
     """Private broker data (AOF), staging files and logs of `dflash-queue run`."""
-
-
-class ModelConfig(Section):
-    path: Annotated[str, Field(min_length=1)]
-    """Target model directory (must exist; relative paths resolve against the config file)."""
-    tokenizer: str = ""
-    """Tokenizer directory; empty: model.path."""
-    name: str = ""
-    """Recorded in every shard's metadata; defaults to the model directory's name."""
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "bfloat16"
-    """Weights dtype of the extract and Transformers generate engines."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """"auto": CUDA when available, else CPU."""
-
-    @property
-    def tokenizer_path(self) -> str:
-        return self.tokenizer or self.path
-
-    @property
-    def display_name(self) -> str:
-        return self.name or Path(self.path).name
 
 
 class Config(Section):

@@ -15,11 +15,11 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, STORAGE_URL_ENV, Config
-from dflash_queue.settings import Section
+from dflash_queue.config.sections import Section
 
 HEADER = f"""# Configuration reference
 
-Generated from the configuration models (`dflash_queue/*/config.py`, assembled in `dflash_queue/config.py`) by
+Generated from the configuration models (`dflash_queue/*/config.py`, assembled in `dflash_queue/config/loading.py`) by
 `.venv/bin/python tools/config_reference.py`; edit the field docstrings, not this file.
 
 One TOML file per deployment. Unknown keys, wrong types and impossible values fail at load with the file and

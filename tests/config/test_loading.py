@@ -9,7 +9,7 @@ from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, load_config
 from dflash_queue.errors import ConfigError
 from dfq_testing.configs import to_toml
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -171,7 +171,9 @@ def test_fingerprint_tracks_output_settings_not_locations(tmp_path, model_dir):
 
 def test_shipped_configs_parse(tmp_path):
     """Every config in worker_configs/ is valid apart from model paths that only exist on their machines."""
-    for path in sorted((REPO / "worker_configs").glob("*.toml")):
+    paths = sorted((REPO / "worker_configs").glob("*.toml"))
+    assert paths, f"no configs in {REPO / 'worker_configs'}"
+    for path in paths:
         try:
             load_config(path, env={})
         except ConfigError as exc:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
+from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Message
-from dflash_queue.engines.chat import ChatFormatter
 
 CONVERSATIONS = [
     (Message("user", "What is 2 + 2?"),),

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dflash_queue.config import Config
-from dflash_queue.config_reference import render_reference
-from dflash_queue.settings import Section
+from dflash_queue.config.reference import render_reference
+from dflash_queue.config.sections import Section
 
-REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def keys(model: type[Section], prefix: str = "") -> dict[str, str | None]:

@@ -1,0 +1,48 @@
+"""The `[extract]` section: the extract engines' keys (`engines/config.py`) and the lane's own, which no engine
+reads: the canary, the plausibility check, when a worker stops, the window of unconsumed shards, shard size."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from dflash_queue.engines.config import ExtractEngineSettings
+
+
+class ExtractConfig(ExtractEngineSettings):
+    canary_samples: Annotated[int, Field(ge=0)] = 1
+    """Samples per shard recomputed alone and compared with their states from the shared pass (chosen from the shard
+    id, so a re-delivery checks the same ones): through the model's own attention (Transformers engine), or as a
+    batch of one through the same engine (vLLM). 0 turns the canary off."""
+    canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
+    """Relative error (per layer, over the whole sample and over its first 8 tokens, right after its pack boundary)
+    above which the canary fails the task for good (after a re-check with both sides recomputed). 0: calibrated when
+    the engine loads, in the production dtype and on the production device: 10 x the difference between probe
+    sequences first in their pass (nothing can leak into them; the vLLM engine: batched as production batches) and
+    alone, never below the dtype's floor (1e-5 float32, 2e-4 bfloat16, 1e-4 float16) nor above its ceiling (1e-2
+    float32, 0.25 bfloat16 and float16: below what a sample given another token's or sequence's states differs by)."""
+    canary_window_every: Annotated[int, Field(ge=0)] = 16
+    """One shard in this many (drawn from the shard id) also has its canary run a sequence longer than the model's
+    sliding window, attention chunk or linear-attention chunk, after another sequence in one pass, and compare it
+    with the sequence alone: the code that only sequences that long reach (a shard's samples are rarely longer than
+    a window of thousands of tokens). Built from the shard's own samples when none is long enough. 0: never."""
+    rms_outlier_factor: Annotated[float, Field(gt=1)] = 50.0
+    """A sample whose median token RMS at a layer is more than this factor above or below the shard's median at
+    that layer fails the task (with all-zero and constant layers): states no forward pass gives."""
+    stop_after_failed_checks: Annotated[int, Field(ge=0)] = 3
+    """A worker whose engine fails the canary or the state checks (plausibility, what the vLLM engine handed over)
+    on this many shards in a row, none passing between them, stops taking tasks and exits with status 78, which the
+    shipped systemd units do not restart on: a systematic fault (a failing GPU, a wrong kernel or setting) leaves
+    the remaining shards queued for a healthy worker instead of sending them all to the dead letters. The shard
+    that completes the streak is handed back to the queue; the ones before it are dead letters. `status` shows the
+    stop and why. 0: never stop."""
+    max_unconsumed_shards: Annotated[int, Field(ge=0)] = 0
+    """The window of a run trained while it extracts (`dflash_queue.live.LiveShards`): extraction waits while this
+    many training shards are stored (or being extracted) that not every consumer has acknowledged yet; a waiting
+    task is handed back to the queue after a short wait, so a worker never spins nor holds a shard for long. With
+    storage.retention = "until-consumed" it bounds the states in storage. Keep it at least the consumers' ranks
+    (each rank waits on a shard of its own). 0: no window."""
+    max_shard_bytes: Annotated[int, Field(ge=1)] = 8 * 10**9
+    """`plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
+    larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object."""
