@@ -75,7 +75,8 @@ def broker_mismatch(run_name: str, recorded: RunIdentity, mine: RunIdentity) -> 
     return RunMismatch(
         f"this broker's run `{run_name}` was made with {_made_with(recorded, mine)}, yours with "
         f"{_made_with(mine, recorded)}: use another run.name, or --rebuild to start `{run_name}` over with your "
-        f"config (its shard states and counters are reset; nothing in storage is deleted).\n"
+        f"config (its shard states and counters are reset; nothing in storage is deleted)."
+        f"{_reextract_hint(recorded, mine)}\n"
         + "\n".join(f"  {line}" for line in recorded.differences(mine))
     )
 
@@ -84,8 +85,19 @@ def storage_mismatch(recorded: RunIdentity, mine: RunIdentity) -> RunMismatch:
     return RunMismatch(
         f"storage {mine.storage} holds output made with {_made_with(recorded, mine)}, not with yours "
         f"({_made_with(mine, recorded)}): its shards would be taken as done. Use another output location "
-        f"(-o or storage.url), or the config that made it.\n"
+        f"(-o or storage.url), or the config that made it.{_reextract_hint(recorded, mine)}\n"
         + "\n".join(f"  {line}" for line in recorded.differences(mine, storage=False))
+    )
+
+
+def _reextract_hint(recorded: RunIdentity, mine: RunIdentity) -> str:
+    """When only extract settings differ, the command that reuses the job's stored completions."""
+    differing = _differing(_flatten(recorded.settings), _flatten(mine.settings))
+    if not differing or not all(key.startswith("extract.") for key, _, _ in differing):
+        return ""
+    return (
+        " Only extract settings differ: `dflash-queue reextract -c YOUR_CONFIG --from THE_JOBS_CONFIG` extracts "
+        "the job's stored completions again with yours, into another output, generating nothing again."
     )
 
 

@@ -69,6 +69,8 @@ def test_a_rerun_under_one_run_name_with_other_settings_is_refused_and_says_what
     assert "use another run.name, or --rebuild" in message
     for line in expected:
         assert line in message
+    # Only extract settings differ: the completions are reusable.
+    assert ("Only extract settings differ: `dflash-queue reextract" in message) == (change == "layers")
     assert queued(redis_url) == 7  # nothing more was sent
     assert not (tmp_path / "storage-2" / "prompts").exists()  # and nothing staged
 
