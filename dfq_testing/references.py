@@ -45,3 +45,17 @@ def reference_states(model, input_ids: torch.Tensor, captured: Sequence[tuple[in
         else:
             entries.append(hidden[layer + 1][0])
     return torch.stack(entries, dim=1)
+
+
+def assert_each_sample_exact(dataset, model, captured: Sequence[tuple[int, str]]) -> None:
+    """Every stored sample's states against the model's own forward over it alone, to float32 rounding: relative L2
+    error per layer over the sample, and over each token (a wrong token alone shows there). The reference's states
+    must be large (scaled weights), so that a wrong answer shows."""
+    from dflash_queue.engines.state_checks import compare_states
+
+    for number in range(len(dataset)):
+        item = dataset[number]
+        want = reference_states(model, item["input_ids"], captured)
+        assert float(want.abs().amax(dim=(0, 2)).min()) > 1.0
+        difference = compare_states(item["hidden_states"], want)
+        assert max(difference.relative) <= 1e-5 and max(difference.worst_token) <= 1e-4, difference

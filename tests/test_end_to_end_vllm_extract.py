@@ -41,7 +41,7 @@ from dfq_testing.configs import local_copy, tiny_config_tables, write_config
 from dfq_testing.families import FAMILIES, NUM_LAYERS
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.processes import TreeWatch, describe
-from dfq_testing.references import reference_model, reference_states
+from dfq_testing.references import assert_each_sample_exact, reference_model
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -124,13 +124,7 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
                         (NUM_LAYERS - 1, "last_layer"), (NUM_LAYERS - 1, "final_norm")]
     assert meta["extraction"] == "vllm"
     model = reference_model(model_path, FAMILIES[name].reference_attention)
-    for number in range(len(dataset)):
-        item = dataset[number]
-        want = reference_states(model, item["input_ids"], captured)
-        assert float(want.abs().amax(dim=(0, 2)).min()) > 1.0  # scaled weights: an error would show
-        # Relative L2 error per layer over the sample, and over each token (a wrong token alone shows there).
-        difference = compare_states(item["hidden_states"], want)
-        assert max(difference.relative) <= 1e-5 and max(difference.worst_token) <= 1e-4, difference
+    assert_each_sample_exact(dataset, model, captured)
 
     # The Transformers engine over the same completions writes the same shards.
     theirs = tmp_path / "transformers"

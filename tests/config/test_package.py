@@ -32,3 +32,10 @@ def test_an_unknown_name_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no_such_name"):
         dflash_queue.config.no_such_name  # noqa: B018
+
+
+def test_the_package_gives_exactly_what_the_assembly_exports():
+    import dflash_queue.config
+    from dflash_queue.config import loading
+
+    assert dflash_queue.config.__all__ == loading.__all__  # the lazy names are written twice: kept in step here
