@@ -56,6 +56,29 @@ def connect(config: Config) -> Celery:
     return app
 
 
+def channels_in_poll(app: Celery) -> list:
+    """The channels of `app`'s pooled connections caught in the middle of a blocking read (kombu marks them
+    `_in_poll`): what kombu's after-fork clean-up in a forked child (a DataLoader's workers) hangs closing."""
+    pooled = [c() if type(c).__name__ == "lazy" else c for c in list(app.pool._resource.queue) if c is not None]
+    return [ch for c in pooled if c._connection is not None for ch in c._connection.channels
+            if getattr(ch, "_in_poll", False)]
+
+
+def forked_child_exits(timeout: float = 20.0) -> bool:
+    """Fork a child that does nothing: True when it exits cleanly within `timeout` (it runs the after-fork
+    clean-ups of everything this process imported, kombu's pools included)."""
+    import multiprocessing
+
+    child = multiprocessing.get_context("fork").Process(target=int)
+    child.start()
+    child.join(timeout=timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return False
+    return child.exitcode == 0
+
+
 def root_bypass_dropped() -> list[str]:
     """A command prefix under which directory permissions bind the process: empty for a normal user; for root,
     `setpriv` without the capabilities that let root write into a read-only (0o555) directory."""

@@ -66,8 +66,11 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if not self.alive():
                 raise RuntimeError(f"{self.lane} worker exited with {self.process.returncode}:\n{self.log_tail()}")
-            if app.control.ping(destination=[self.hostname], timeout=0.5):
-                return
+            # On a connection of its own: one from the app's pool stays behind mid-read of the reply queue, and
+            # a process forked later (a DataLoader's workers) hangs closing it (see ops/status.py ask_workers).
+            with app.connection_for_read() as connection:
+                if app.control.ping(destination=[self.hostname], timeout=0.5, connection=connection):
+                    return
             time.sleep(0.2)
         raise TimeoutError(f"{self.lane} worker not ready after {timeout}s:\n{self.log_tail()}")
 

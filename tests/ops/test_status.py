@@ -218,27 +218,17 @@ def _render(status) -> str:
 def test_asking_the_workers_leaves_no_connection_a_forked_process_would_hang_on(make_config, redis_url):
     """A process that asked the workers (status in a training script, say) and then forks (a DataLoader's workers):
     the child runs kombu's after-fork cleanup of the app's pooled connections and must not block on one."""
-    import multiprocessing
-
     from dflash_queue.ops.status import ask_workers
     from dflash_queue.queue.app import configure_app
+    from dfq_testing.jobs import channels_in_poll, forked_child_exits
 
     app = configure_app(make_config())
     for _ in range(3):
         assert ask_workers(app, timeout=0.3).queues == {}  # no worker runs: nobody answers
-    # What the child's cleanup would block on: a pooled connection whose channel is inside a blocking read (kombu
-    # marks it `_in_poll`); with the replies read on the pool's connections, one was left so.
-    pooled = [c() if type(c).__name__ == "lazy" else c for c in list(app.pool._resource.queue) if c is not None]
-    polling = [ch for c in pooled if c._connection is not None for ch in c._connection.channels
-               if getattr(ch, "_in_poll", False)]
-    assert polling == []
-    child = multiprocessing.get_context("fork").Process(target=int)
-    child.start()
-    child.join(timeout=20)
-    alive = child.is_alive()
-    if alive:
-        child.kill()
-    assert not alive and child.exitcode == 0
+    # What the child's cleanup would block on: a pooled connection whose channel is inside a blocking read; with
+    # the replies read on the pool's connections, one was left so.
+    assert channels_in_poll(app) == []
+    assert forked_child_exits()
 
 
 def test_a_run_whose_later_epoch_or_consumer_is_pending_is_not_finished(make_config, redis_url):

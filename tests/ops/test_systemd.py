@@ -230,13 +230,14 @@ def test_generate_unit_command_starts_a_worker_named_for_its_gpus(make_config, t
     app = configure_app(config)
     try:
         replies = []
-        for _ in range(600):
-            assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
-            replies = app.control.ping(destination=[node], timeout=0.5)
-            if replies:
-                break
-        assert replies == [{node: {"ok": "pong"}}]
-        queues = app.control.inspect(destination=[node], timeout=5).active_queues()
+        with app.connection_for_read() as connection:  # not the pool's: see queue/launcher.py wait_ready
+            for _ in range(600):
+                assert worker.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
+                replies = app.control.ping(destination=[node], timeout=0.5, connection=connection)
+                if replies:
+                    break
+            assert replies == [{node: {"ok": "pong"}}]
+            queues = app.control.inspect(destination=[node], timeout=5, connection=connection).active_queues()
         assert [q["name"] for q in queues[node]] == ["generate"]
     finally:
         worker.terminate()  # what systemd's KillMode=mixed sends first: a warm shutdown
