@@ -73,12 +73,13 @@ class Producer:
         length_filter: LengthFilter | None | bool = True,
         formatter=None,
     ) -> None:
-        """`formatter`: the chat template already checked against the thinking policy (`checked_formatter`)."""
+        """`formatter`: the chat template already checked against the thinking policy (`checked_formatter`). Takes
+        the whole Config: a run's fingerprint and identity (`claim_run`) are made of all its output settings."""
         self.config = config
         self.ledger = ledger
         self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
-        formatter = formatter or checked_formatter(config)
+        formatter = formatter or checked_formatter(config.model, config.dataset, config.source)
         self._restarted: list[str] | None = None  # what claim_run found different, once it ran
         self.length_filter = build_length_filter(config, formatter) if length_filter is True else length_filter or None
 
@@ -100,7 +101,7 @@ class Producer:
         report = EnqueueReport(rebuild=rebuild)
         report.restarted = self.claim_run(rebuild=rebuild)
         done = stored_shard_ids(self.storage)
-        samples = iter_encoded(self.config, paths, report, self.length_filter)
+        samples = iter_encoded(self.config.dataset, self.config.model, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
             pending: _StagedGroup | None = None
             for group in growing_batches(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):

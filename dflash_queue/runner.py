@@ -155,7 +155,7 @@ def run_single_box(
     console = console or Console(stderr=True)
     started = time.monotonic()
     # A thinking policy the template cannot honour stops the run before anything starts.
-    formatter = checked_formatter(config)
+    formatter = checked_formatter(config.model, config.dataset, config.source)
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         # One run per state directory, held until everything below has stopped (the broker last).
@@ -166,7 +166,7 @@ def run_single_box(
                 f"); stopped what it left running: {', '.join(lock.stopped_leftovers)}"
             )
         if not config.broker.url:
-            server = private_server(config).start()
+            server = private_server(config.run, config.broker).start()
             stack.callback(server.stop)
             assert server.process is not None
             lock.record_child("redis-server", server.process.pid)

@@ -78,7 +78,7 @@ def stage(config, url: str, dataset: Path, name: str, *, read_alone: bool = True
     started = time.perf_counter()
     read_report = EnqueueReport()
     if read_alone:
-        for _ in iter_samples(config, [dataset], read_report, processes=1):
+        for _ in iter_samples(config.dataset, config.model, [dataset], read_report, processes=1):
             pass
     read_s = time.perf_counter() - started
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash_queue.config import Config, GenerateConfig, RunConfig, StorageConfig
+from dflash_queue.config import Config, GenerateConfig, ModelConfig, RunConfig, StorageConfig
 from dflash_queue.doctor.broker import check_broker
 from dflash_queue.doctor.disk import check_free_disk
 from dflash_queue.doctor.extract_states import check_extract_states
@@ -74,7 +74,7 @@ def run_doctor(
             if states is not None:
                 checks.append(states)
     if speculative_method(config.generate.vllm.engine_args):
-        checks += _generate_engine_checks(config)
+        checks += _generate_engine_checks(config.generate, config.model)
     checks += check_servers(config.generate, config.served_model_name, lambda: _build_generate_engine(config))
     gpus, arch_list, torch_cuda = gpu_reader()
     checks += check_gpus(
@@ -91,15 +91,15 @@ def run_doctor(
     return checks
 
 
-def _generate_engine_checks(config: Config) -> list[Check]:
+def _generate_engine_checks(generate: GenerateConfig, model: ModelConfig) -> list[Check]:
     """The generate lane's speculative decoding; none when the model's config does not load."""
     from transformers import AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(config.model.path)
+        model_config = AutoConfig.from_pretrained(model.path)
     except Exception:
         return []
-    check = check_speculative(config.generate, config.model, model_config)
+    check = check_speculative(generate, model, model_config)
     return [check] if check else []
 
 
