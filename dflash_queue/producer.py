@@ -1,6 +1,6 @@
 """The producer: stage prompt shards in storage and send one task per shard to the first lane.
 
-samples (dflash_queue.staging: read -> dedupe -> thinking policy -> length filter) -> shards -> prompt files
+samples (dflash_queue.prompt_staging: read -> dedupe -> thinking policy -> length filter) -> shards -> prompt files
 -> send.
 
 Re-running it is safe: a shard whose training file exists is done, and a shard the ledger shows queued or
@@ -35,18 +35,18 @@ from dflash_queue.config import Config
 from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
-from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
-from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
-from dflash_queue.runstate.window import ShardWindow
-from dflash_queue.shards.keys import prompts_key, stored_shard_ids
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
-from dflash_queue.staging import (
+from dflash_queue.prompt_staging import (
     EnqueueReport,
     build_length_filter,
     checked_formatter,
     growing_batches,
     iter_encoded,
 )
+from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
+from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
+from dflash_queue.runstate.window import ShardWindow
+from dflash_queue.shards.keys import prompts_key, stored_shard_ids
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
 
 # Shards per ledger round trip. The first groups are smaller (1, 2, 4, ...) so that workers get their first

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
+from dflash_queue.prompt_staging import EnqueueReport
 from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.shard_states import DONE, GENERATED
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of, stored_shard_ids
-from dflash_queue.staging import EnqueueReport
 from dflash_queue.storage import Storage, open_storage
 
 # send(shard id, samples, fingerprint): an extract task.

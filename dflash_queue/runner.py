@@ -17,6 +17,7 @@ from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import FINAL_LANE, LANES
 from dflash_queue.producer import Producer
+from dflash_queue.prompt_staging import EnqueueReport, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
@@ -26,7 +27,6 @@ from dflash_queue.run_lock import RunLock
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
-from dflash_queue.staging import EnqueueReport, checked_formatter
 
 
 class RunFailed(RuntimeError):

@@ -23,6 +23,7 @@ from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.lanes.registry import LANES
+from dflash_queue.prompt_staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.queue.liveness import HeldMessage, Liveness
 from dflash_queue.queue.messages import message_places
 from dflash_queue.runstate.ledger import FAILED, Ledger
@@ -32,7 +33,6 @@ from dflash_queue.shards.keys import CONSUMED, PROMPTS, epoch_shards_prefix, sha
 from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
-from dflash_queue.staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.storage import Storage, open_storage
 
 # How many missing or duplicated ids a report lists in full.

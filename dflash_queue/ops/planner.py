@@ -81,7 +81,7 @@ def count_prompts(
     seed: int = 0,
 ) -> PromptStats:
     """Read every record as the producer would; tokenise a random sample with the chat template."""
-    from dflash_queue.staging import EnqueueReport, iter_samples
+    from dflash_queue.prompt_staging import EnqueueReport, iter_samples
 
     report = EnqueueReport()
     sample, total = reservoir(iter_samples(dataset, model, datasets, report), sample_size, random.Random(seed))

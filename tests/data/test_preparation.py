@@ -21,10 +21,7 @@ from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.length import source_position
 from dflash_queue.data.samples import EncodedSample
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import configure_app
-from dflash_queue.runstate.ledger import Ledger
-from dflash_queue.shards.prompts import decode_prompts, encode_prompts
-from dflash_queue.staging import (
+from dflash_queue.prompt_staging import (
     AUTO_MIN_BYTES,
     EnqueueReport,
     build_length_filter,
@@ -32,6 +29,9 @@ from dflash_queue.staging import (
     iter_samples,
     staging_processes,
 )
+from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.shards.prompts import decode_prompts, encode_prompts
 from dfq_testing.templates import ALTERNATING_TEMPLATE
 
 SUBJECTS = ["tides", "owls", "bread", "maps", "a binary search", "def f(x): return x", "what is 17 * 23?"]

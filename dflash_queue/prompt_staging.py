@@ -1,4 +1,4 @@
-"""Staging: read datasets into samples (valid, distinct, thinking decided, fitting the context) and count
+"""Prompt staging: read datasets into samples (valid, distinct, thinking decided, fitting the context) and count
 what was left out. Pure: it knows nothing of queues; the producer (dflash_queue.producer) stages shards with it
 and sends them.
 """
