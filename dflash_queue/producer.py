@@ -1,6 +1,6 @@
 """The producer: stage prompt shards in storage and send one task per shard to the first lane.
 
-samples (dflash_queue.staging: read -> dedupe -> thinking policy -> length filter) -> shards -> prompt files
+samples (dflash_queue.prompt_staging: read -> dedupe -> thinking policy -> length filter) -> shards -> prompt files
 -> send.
 
 Re-running it is safe: a shard whose training file exists is done, and a shard the ledger shows queued or
@@ -35,18 +35,18 @@ from dflash_queue.config import Config
 from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
-from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
-from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
-from dflash_queue.runstate.window import ShardWindow
-from dflash_queue.shards.keys import prompts_key, stored_shard_ids
-from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
-from dflash_queue.staging import (
+from dflash_queue.prompt_staging import (
     EnqueueReport,
     build_length_filter,
     checked_formatter,
     growing_batches,
     iter_encoded,
 )
+from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
+from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
+from dflash_queue.runstate.window import ShardWindow
+from dflash_queue.shards.keys import prompts_key, stored_shard_ids
+from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
 
 # Shards per ledger round trip. The first groups are smaller (1, 2, 4, ...) so that workers get their first
@@ -73,12 +73,13 @@ class Producer:
         length_filter: LengthFilter | None | bool = True,
         formatter=None,
     ) -> None:
-        """`formatter`: the chat template already checked against the thinking policy (`checked_formatter`)."""
+        """`formatter`: the chat template already checked against the thinking policy (`checked_formatter`). Takes
+        the whole Config: a run's fingerprint and identity (`claim_run`) are made of all its output settings."""
         self.config = config
         self.ledger = ledger
         self.storage = storage or open_storage(config.storage)
         self.fingerprint = config.fingerprint()
-        formatter = formatter or checked_formatter(config)
+        formatter = formatter or checked_formatter(config.model, config.dataset, config.source)
         self._restarted: list[str] | None = None  # what claim_run found different, once it ran
         self.length_filter = build_length_filter(config, formatter) if length_filter is True else length_filter or None
 
@@ -100,7 +101,7 @@ class Producer:
         report = EnqueueReport(rebuild=rebuild)
         report.restarted = self.claim_run(rebuild=rebuild)
         done = stored_shard_ids(self.storage)
-        samples = iter_encoded(self.config, paths, report, self.length_filter)
+        samples = iter_encoded(self.config.dataset, self.config.model, paths, report, self.length_filter)
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
             pending: _StagedGroup | None = None
             for group in growing_batches(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):

@@ -14,12 +14,12 @@ from collections.abc import Callable
 
 from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
+from dflash_queue.prompt_staging import EnqueueReport
 from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.shard_states import DONE, GENERATED
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of, stored_shard_ids
-from dflash_queue.staging import EnqueueReport
 from dflash_queue.storage import Storage, open_storage
 
 # send(shard id, samples, fingerprint): an extract task.
@@ -30,7 +30,8 @@ EXTRACT_SETTINGS = ("extract", "extract.vllm.engine_args")
 
 
 def generation_differences(old: Config, new: Config) -> list[str]:
-    """The output settings, other than extract's, in which `new` differs from `old` (section names)."""
+    """The output settings, other than extract's, in which `new` differs from `old` (section names). Whole
+    Configs: their output settings span every section."""
     mine, theirs = new.output_settings(), old.output_settings()
     return sorted(k for k in set(mine) | set(theirs) if k not in EXTRACT_SETTINGS and mine.get(k) != theirs.get(k))
 
@@ -67,7 +68,8 @@ def stage_reextraction(
     on_shard: Callable[[int], None] | None = None,
 ) -> EnqueueReport:
     """Copy the old job's completed shards into `storage` (the new output) and send each not yet stored there to
-    the extract lane. The report counts samples and shards as `enqueue`'s does."""
+    the extract lane. The report counts samples and shards as `enqueue`'s does. Whole Configs: the two are
+    compared in all their output settings (`check_reextraction`)."""
     check_reextraction(old, new)
     send = send or _send_extract
     source = open_storage(old.storage)

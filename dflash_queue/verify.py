@@ -17,11 +17,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash_queue.config import Config
+from dflash_queue.config import BrokerConfig, Config, DatasetConfig, ModelConfig, RunConfig
+from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.preparation import batched
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetters
 from dflash_queue.errors import ShardFormatError
 from dflash_queue.lanes.registry import LANES
+from dflash_queue.prompt_staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.queue.liveness import HeldMessage, Liveness
 from dflash_queue.queue.messages import message_places
 from dflash_queue.runstate.ledger import FAILED, Ledger
@@ -31,7 +33,6 @@ from dflash_queue.shards.keys import CONSUMED, PROMPTS, epoch_shards_prefix, sha
 from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
-from dflash_queue.staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.storage import Storage, open_storage
 
 # How many missing or duplicated ids a report lists in full.
@@ -109,8 +110,8 @@ class MissingHints:
     held_by_dead: dict[str, HeldMessage]
 
     @classmethod
-    def read(cls, client, config: Config) -> MissingHints:
-        dead = Liveness(client, config.run.name, config.broker.worker_liveness_s).held_by_dead()
+    def read(cls, client, run: RunConfig, broker: BrokerConfig) -> MissingHints:
+        dead = Liveness(client, run.name, broker.worker_liveness_s).held_by_dead()
         return cls(message_places(client, [spec.queue for spec in LANES.values()]), {m.shard_id: m for m in dead})
 
     def why(self, shard_id: str, state: str, epoch: int) -> str:
@@ -130,11 +131,17 @@ class MissingHints:
         return "no message for it in the broker: `dflash-queue enqueue --rebuild` sends it again"
 
 
-def expected_shards(config: Config, datasets: Iterable[str | Path], report: VerifyReport) -> dict[str, list[str]]:
-    """shard id -> sample ids, exactly as the producer stages them."""
+def expected_shards(
+    dataset: DatasetConfig,
+    model: ModelConfig,
+    datasets: Iterable[str | Path],
+    report: VerifyReport,
+    length_filter: LengthFilter | None,
+) -> dict[str, list[str]]:
+    """shard id -> sample ids, exactly as the producer stages them (`length_filter`: build_length_filter's)."""
     enqueue = EnqueueReport()
-    samples = iter_encoded(config, datasets, enqueue, build_length_filter(config))
-    shards = {prompt_shard_id(group): [s.id for s in group] for group in batched(samples, config.dataset.shard_size)}
+    samples = iter_encoded(dataset, model, datasets, enqueue, length_filter)
+    shards = {prompt_shard_id(group): [s.id for s in group] for group in batched(samples, dataset.shard_size)}
     report.staged = enqueue.staged
     report.duplicates_in_dataset = enqueue.duplicates
     report.too_long = enqueue.too_long.total
@@ -181,14 +188,15 @@ def verify(
     """Account for every sample of `datasets` by its id: the files may be any order or subset of those enqueued
     (samples of files never enqueued are reported as not enqueued). `epoch`: the run's training shards (0), or
     a later epoch's, extracted again for a live dataset; a shard every consumer took and retention deleted is
-    accounted for by the record it left (`consumed`)."""
+    accounted for by the record it left (`consumed`). Takes the whole Config: it reads the run's storage, broker
+    and ledger, and stages the datasets again as the producer did."""
     report = VerifyReport(epoch=epoch)
     storage = storage or open_storage(config.storage)
     if ledger is None or dead_letters is None:
         broker_url = config.broker.connection_url()  # reads the password file
         ledger = ledger or Ledger.from_url(broker_url, config.run.name)
         dead_letters = dead_letters or DeadLetters.from_url(broker_url, config.run.name)
-    expected = expected_shards(config, datasets, report)
+    expected = expected_shards(config.dataset, config.model, datasets, report, build_length_filter(config))
     enqueued = enqueued_shards(storage)
     shard_of = {sample_id: shard_id for shard_id, ids in enqueued.items() for sample_id in ids}
     regrouped = len(expected.keys() - enqueued.keys())
@@ -240,7 +248,7 @@ def verify(
             if shard_id is None:
                 report.missing[sample_id] = "not enqueued"
                 continue
-            hints = hints or MissingHints.read(ledger.client, config)
+            hints = hints or MissingHints.read(ledger.client, config.run, config.broker)
             state = states.get(shard_id, "unknown")
             report.missing[sample_id] = f"shard {shard_id} ({state}; {hints.why(shard_id, state, epoch)})"
             continue

@@ -234,7 +234,7 @@ def test_a_thinking_policy_the_template_cannot_honour_is_refused_before_anything
 
 def test_the_first_shards_are_sent_before_the_rest_is_staged(make_config, redis_url):
     """Workers start on the first shard while later ones are still being staged: groups of 1, 2, 4, ..."""
-    from dflash_queue.staging import growing_batches
+    from dflash_queue.prompt_staging import growing_batches
 
     assert [len(b) for b in growing_batches(range(20), 8)] == [1, 2, 4, 8, 5]
     config = make_config(dataset={"shard_size": 2})

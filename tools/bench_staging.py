@@ -41,9 +41,9 @@ from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import load_config  # noqa: E402
 from dflash_queue.lanes.registry import GENERATE  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
+from dflash_queue.prompt_staging import EnqueueReport, iter_samples  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.runstate.ledger import Ledger  # noqa: E402
-from dflash_queue.staging import EnqueueReport, iter_samples  # noqa: E402
 from dfq_testing.configs import tiny_config_tables, write_config  # noqa: E402
 from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
 
@@ -78,7 +78,7 @@ def stage(config, url: str, dataset: Path, name: str, *, read_alone: bool = True
     started = time.perf_counter()
     read_report = EnqueueReport()
     if read_alone:
-        for _ in iter_samples(config, [dataset], read_report, processes=1):
+        for _ in iter_samples(config.dataset, config.model, [dataset], read_report, processes=1):
             pass
     read_s = time.perf_counter() - started
 

@@ -7,7 +7,7 @@ venv="$(mktemp -d)/core"
 python3 -m venv "$venv"
 "$venv/bin/pip" install -q torch==2.13.0
 "$venv/bin/pip" install -q .
-"$venv/bin/python" -c "import dflash_queue.training, dflash_queue.shards.reader, dflash_queue.exports.runner"
+"$venv/bin/python" -c "import dflash_queue.training, dflash_queue.shards.reader, dflash_queue.exports.sample_files"
 "$venv/bin/dflash-queue" --help >/dev/null
 for module in celery redis transformers boto3 flower matplotlib pyarrow; do
   if "$venv/bin/python" -c "import $module" 2>/dev/null; then

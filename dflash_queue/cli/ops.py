@@ -11,6 +11,7 @@ import click
 from dflash_queue.cli.common import broker_ready, config_option, load
 from dflash_queue.errors import ConfigError
 from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 
 
 def _groups(value: str | None, option: str) -> tuple[tuple[int, ...], ...]:
@@ -107,7 +108,8 @@ def systemd_install(
     )
     try:
         report = install_units(
-            config, layout, settings, dest, node_gpus=node_gpus, force_env=force_env,
+            config.run, config.broker, config.storage, layout, settings, dest,
+            tensor_parallel=vllm_tensor_parallel(config), node_gpus=node_gpus, force_env=force_env,
             root=root.resolve() if root else None,
         )
     except ValueError as exc:
@@ -133,7 +135,7 @@ def flower(config_path: Path, port: int | None, address: str | None) -> None:
         check_basic_auth(os.environ)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    sys.exit(run_flower(config, flower_argv(config, port=port, address=address)) or 0)
+    sys.exit(run_flower(config, flower_argv(config.flower, config.run, port=port, address=address)) or 0)
 
 
 COMMANDS = [systemd, flower]

@@ -144,7 +144,7 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
 
 
 def _run_job(config_path: Path, config, datasets: list[Path], **options) -> None:
-    from dflash_queue.runner import RunFailed, run_single_box
+    from dflash_queue.single_box import RunFailed, run_single_box
 
     console = Console(stderr=True)
     try:

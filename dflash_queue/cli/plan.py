@@ -91,9 +91,10 @@ def plan(
         if gpus % size:
             raise click.BadParameter(f"{gpus} GPUs do not split into {lane} workers of {size}", param_hint="--gpus")
     try:
-        shape = model_shape(config)
+        shape = model_shape(config.model, config.extract)
         memory = extract_memory(
-            config,
+            config.model,
+            config.extract,
             AutoConfig.from_pretrained(config.model.path),
             gpus_per_worker=per_worker[EXTRACT.name],
             gpu_memory_gib=gpu_memory_gib or H200_MEMORY_GIB,
@@ -101,7 +102,7 @@ def plan(
     except (OSError, ValueError, AttributeError) as exc:
         raise click.ClickException(f"{config_path}: model {config.model.path}: {exc}") from None
     tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
-    stats = count_prompts(config, list(datasets), tokenizer, sample_size=sample_size, seed=seed)
+    stats = count_prompts(config.dataset, config.model, list(datasets), tokenizer, sample_size=sample_size, seed=seed)
     if stats.prompts == 0:
         names = ", ".join(map(str, datasets))
         raise click.ClickException(f"no valid prompts in {names} ({stats.bad_records} bad records)")

@@ -116,7 +116,7 @@ def dead_requeue(config_path, record_ids, lane, exc_type, kind, older_than, newe
         click.echo(f"gone: {record_id}: no such dead letter (or filtered out)", err=True)
     app = configure_app(config)
     ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
-    for outcome in requeue(config, store, ledger, records, celery_send(app), dry_run=dry_run):
+    for outcome in requeue(config.run, config.fingerprint(), store, ledger, records, celery_send(app), dry_run=dry_run):
         click.echo(outcome.line())
 
 

@@ -64,7 +64,7 @@ def export(
     config fields to give the trainer in OUT/export.json; or the regenerated conversations of a run's storage
     (SHARDS) as OpenAI-messages JSONL or Parquet."""
     from dflash_queue.exports import export_dataset, export_format
-    from dflash_queue.exports.runner import hidden_dtype_named
+    from dflash_queue.exports.sample_files import hidden_dtype_named
     from dflash_queue.storage import open_storage
     from dflash_queue.training import ShardDataset
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dflash_queue.config import Config
+from dflash_queue.config import RunConfig
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, DeadLetters
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.runstate.ledger import Ledger
@@ -71,7 +71,8 @@ def plan(records: Sequence[DeadLetter], all_records: Sequence[DeadLetter]) -> tu
 
 
 def requeue(
-    config: Config,
+    run: RunConfig,
+    fingerprint: str,
     dead_letters: DeadLetters,
     ledger: Ledger,
     records: Sequence[DeadLetter],
@@ -79,12 +80,13 @@ def requeue(
     *,
     dry_run: bool = False,
 ) -> list[RequeueOutcome]:
+    """Send the work of `records` again, each task with `fingerprint` (the run's Config.fingerprint()), and say what
+    became of each; `dry_run` sends nothing."""
     jobs, unrunnable = plan(records, dead_letters.all())
     outcomes = [
         RequeueOutcome((r,), "skipped", f"a {r.kind} record has no task to send again; purge it when seen")
         for r in unrunnable
     ]
-    fingerprint = config.fingerprint()
     sizes = ledger.shard_sizes()
     for job in jobs:
         spec = LANES[job.lane]
@@ -103,7 +105,7 @@ def requeue(
             continue
         try:
             if job.epoch:
-                ShardWindow(ledger.client, config.run.name).set_epoch_state(job.epoch, job.shard_id, spec.waiting_state)
+                ShardWindow(ledger.client, run.name).set_epoch_state(job.epoch, job.shard_id, spec.waiting_state)
             else:
                 ledger.set_state(job.shard_id, spec.waiting_state)
             kwargs = {"redo": job.redo, "epoch": job.epoch} if job.epoch else {"redo": job.redo}

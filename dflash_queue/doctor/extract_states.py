@@ -10,8 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_queue.config import Config
 from dflash_queue.doctor.result import Check
+from dflash_queue.engines.config import ModelConfig
+from dflash_queue.lanes.config import ExtractConfig
 
 NAME = "extract engine states"
 
@@ -21,20 +22,15 @@ def has_weights(model_path: str) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def check_extract_states(config: Config, start: Callable[[Config], Any] | None = None) -> Check | None:
-    """The engine started (`start`, the vLLM extract engine by default) and closed again; None without weights."""
-    if config.extract.engine != "vllm" or not has_weights(config.model.path):
+def check_extract_states(extract: ExtractConfig, model: ModelConfig, start: Callable[[], Any]) -> Check | None:
+    """The engine started (`start`: the vLLM extract engine, as a worker builds it) and closed again; None without
+    weights."""
+    if extract.engine != "vllm" or not has_weights(model.path):
         return None
-    if start is None:
-        from dflash_queue.engines.vllm_extract import VllmStateExtractor
-        from dflash_queue.lanes.extract import vllm_extract_settings
-
-        def start(config: Config) -> Any:
-            return VllmStateExtractor(vllm_extract_settings(config))
     from dflash_queue.errors import UnsupportedArchitecture
 
     try:
-        engine = start(config)
+        engine = start()
     except UnsupportedArchitecture as exc:
         return Check.failed(NAME, str(exc))
     except Exception as exc:

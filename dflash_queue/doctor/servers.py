@@ -3,26 +3,27 @@ start (the model it serves, its context, its tokenizer, token ids in its replies
 
 from __future__ import annotations
 
-from dflash_queue.config import Config
+from collections.abc import Callable
+from typing import Any
+
 from dflash_queue.doctor.result import Check
+from dflash_queue.engines.config import GenerateConfig
 from dflash_queue.errors import ConfigError
 
 
-def check_servers(config: Config) -> list[Check]:
-    """One check per server; none when the generate lane runs its own model."""
-    if config.generate.engine != "server":
+def check_servers(generate: GenerateConfig, model: str, build_engine: Callable[[], Any]) -> list[Check]:
+    """One check per server, each asked to serve `model` by the engine `build_engine` builds as a worker does; none
+    when the generate lane runs its own model."""
+    if generate.engine != "server":
         return []
-    from dflash_queue.lanes.generate import build_generate_engine
-
     try:
-        engine = build_generate_engine(config)
+        engine = build_engine()
     except ConfigError as exc:
         return [Check.failed("servers", str(exc))]
     try:
-        servers = engine.servers()  # type: ignore[attr-defined]
+        servers = engine.servers()
     finally:
         engine.close()
-    model = config.served_model_name
     return [
         Check.passed("server", f"{server.url}: serves {model}, checked") if server.up
         else Check.warned("server", f"{server.url}: not used: {server.reason}")

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dflash_queue.config import Config
 from dflash_queue.doctor.result import Check
+from dflash_queue.engines.config import GenerateConfig, ModelConfig
 from dflash_queue.engines.decoder import checkpoint_keys
 
 NAME = "speculative decoding"
@@ -52,11 +52,11 @@ def mtp_weights(keys: list[str], num_hidden_layers: int) -> list[str]:
     return found
 
 
-def check_speculative(config: Config, model_config: Any) -> Check | None:
+def check_speculative(generate: GenerateConfig, model: ModelConfig, model_config: Any) -> Check | None:
     """None when the generate lane runs no speculative decoding."""
-    if config.generate.engine != "vllm":
+    if generate.engine != "vllm":
         return None
-    spec = config.generate.vllm.engine_args.get("speculative_config")
+    spec = generate.vllm.engine_args.get("speculative_config")
     if not isinstance(spec, dict):
         return None
     method = str(spec.get("method") or "")
@@ -65,7 +65,7 @@ def check_speculative(config: Config, model_config: Any) -> Check | None:
     if method in WEIGHTLESS:
         return Check.passed(NAME, f"method {method!r}, {proposes}: proposes from the tokens already there, no weights")
     if is_mtp(method):
-        return _check_mtp(config, model_config, method, proposes)
+        return _check_mtp(model, model_config, method, proposes)
     draft = spec.get("model")
     if not draft:
         return Check.failed(NAME, f"method {method!r} needs a draft model: set speculative_config.model")
@@ -74,8 +74,8 @@ def check_speculative(config: Config, model_config: Any) -> Check | None:
     return Check.passed(NAME, f"method {method!r}, draft {draft}, {proposes}")
 
 
-def _check_mtp(config: Config, model_config: Any, method: str, proposes: str) -> Check:
-    path = config.model.path
+def _check_mtp(model: ModelConfig, model_config: Any, method: str, proposes: str) -> Check:
+    path = model.path
     declared = declared_mtp_layers(model_config)
     if not declared:
         return Check.failed(

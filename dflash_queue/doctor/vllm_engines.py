@@ -7,31 +7,30 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dflash_queue.config import Config
 from dflash_queue.doctor.result import Check
+from dflash_queue.engines.config import ExtractVllmConfig
 from dflash_queue.engines.vllm_support import (
     DEFAULT_TRANSFER_DIR,
     FORCED_SETTINGS,
+    VllmExtractSettings,
     transfer_bytes,
     transfer_room_shortfall,
     vllm_refusal,
 )
 from dflash_queue.errors import ConfigError
-from dflash_queue.lanes.extract import vllm_extract_settings
 
 GB = 1000**3
 
 
-def check_extract_engine(model_config: Any, config: Config) -> Check:
+def check_extract_engine(model_config: Any, settings: ExtractVllmConfig) -> Check:
     """Whether vLLM can extract this target's states exactly (`vllm_refusal`), and how the engine will run."""
     refusal = vllm_refusal(model_config)
     if refusal:
         return Check.failed("extract engine", f"vLLM: {refusal}")
-    settings = config.extract.vllm
     forced = " · ".join(f"{setting} ({why})" for setting, why in FORCED_SETTINGS)
     chunked = (
         "chunked prefill on, every sequence checked whole before it is stored"
@@ -67,12 +66,14 @@ def check_tensor_parallel(tensor_parallel: Mapping[str, int], visible_gpus: int)
     return checks
 
 
-def check_transfer_dir(config: Config, text_config: Any) -> Check:
+def check_transfer_dir(
+    settings: ExtractVllmConfig, text_config: Any, engine_settings: Callable[[], VllmExtractSettings]
+) -> Check:
     """The directory the extract engine's processes hand states over in: writable, in memory, with room for
     extract.vllm.inflight_tasks sequences of the engine's whole context (`transfer_room_shortfall`, which the
-    worker refuses to start on)."""
+    worker refuses to start on). `engine_settings` builds what the engine is built from, as a worker does."""
     name = "extract transfer dir"
-    configured = config.extract.vllm.transfer_dir
+    configured = settings.transfer_dir
     path = Path(configured) if configured else DEFAULT_TRANSFER_DIR
     existing = next((p for p in (path, *path.parents) if p.is_dir()), None)
     if not configured and (existing != path or not os.access(path, os.W_OK)):
@@ -92,7 +93,7 @@ def check_transfer_dir(config: Config, text_config: Any) -> Check:
         return Check.failed(name, f"{existing} is not writable ({exc.strerror or exc})")
     free = shutil.disk_usage(existing).free
     try:
-        setup = vllm_extract_settings(config)
+        setup = engine_settings()
         needed = transfer_bytes(setup, text_config)
         shortfall = transfer_room_shortfall(setup, text_config, existing)
     except (ConfigError, ValueError) as exc:
@@ -101,6 +102,6 @@ def check_transfer_dir(config: Config, text_config: Any) -> Check:
         return Check.failed(name, f"{path}{created}: {shortfall}")
     return Check.passed(
         name,
-        f"{path}{created}: {free / GB:,.1f} GB free; {config.extract.vllm.inflight_tasks} sequence(s) of "
-        f"{config.extract_context_len():,} tokens need {needed / GB:,.1f} GB",
+        f"{path}{created}: {free / GB:,.1f} GB free; {settings.inflight_tasks} sequence(s) of "
+        f"{setup.context_len:,} tokens need {needed / GB:,.1f} GB",
     )

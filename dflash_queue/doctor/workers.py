@@ -11,7 +11,8 @@ from dflash_queue.lanes.registry import LANES
 
 
 def check_worker_settings(config: Config) -> list[Check]:
-    """One check per lane: its worker's start-up warnings, or its task slots when there are none."""
+    """One check per lane: its worker's start-up warnings, or its task slots when there are none. Takes the whole
+    Config: each lane's spec reads the sections its lane uses (lanes/registry.py)."""
     checks = []
     for spec in LANES.values():
         slots = spec.default_slots(config)

@@ -62,7 +62,8 @@ def start_epoch(
     """Seal epoch `epoch` (>= 1) and send its extraction, once the previous epoch's extraction is over.
 
     Started once: a second caller finds it claimed and does nothing, unless `resend` (its shards not done are sent
-    again)."""
+    again). Takes the whole Config: the epoch's tasks carry its fingerprint, and without `send` the Celery app is
+    configured from it."""
     report = EpochStart(epoch)
     if epoch < 1:
         raise ValueError(f"epoch 0 is the run itself (enqueue); epochs to start are 1 and later, not {epoch}")

@@ -18,10 +18,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash_queue.config import Config
 from dflash_queue.engines.activation_memory import pass_activation_bytes
+from dflash_queue.engines.config import ModelConfig
 from dflash_queue.engines.devices import GPU_DTYPE_BYTES
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_layer_ids
+from dflash_queue.lanes.config import ExtractConfig
 from dflash_queue.ops import humanize
 from dflash_queue.ops.model_size import (
     ParameterCount,
@@ -84,19 +85,22 @@ def describe_assumption(flop_per_token: float, compute_gpus: int, why_gpus: str 
     )
 
 
-def extract_memory(config: Config, model_config: Any, *, gpus_per_worker: int, gpu_memory_gib: float) -> ExtractMemory:
-    """The extract lane's per-GPU figures for `config` (its engine) on workers of `gpus_per_worker` GPUs of
+def extract_memory(
+    model: ModelConfig, extract: ExtractConfig, model_config: Any, *, gpus_per_worker: int, gpu_memory_gib: float
+) -> ExtractMemory:
+    """The extract lane's per-GPU figures for `extract` (its engine) on workers of `gpus_per_worker` GPUs of
     `gpu_memory_gib` each; `model_config` is the checkpoint's Transformers config."""
     text = model_config.get_text_config()
     count = count_parameters(text)
-    layer_ids = resolve_layer_ids(config.extract.layer_ids, len(count.layers), config.extract.num_draft_layers)
-    if config.extract.engine == "vllm":
-        return _vllm(config, model_config, text, count, layer_ids, gpus_per_worker, gpu_memory_gib * GIB)
-    return _transformers(config, text, count, layer_ids, gpus_per_worker, gpu_memory_gib * GIB)
+    layer_ids = resolve_layer_ids(extract.layer_ids, len(count.layers), extract.num_draft_layers)
+    if extract.engine == "vllm":
+        return _vllm(model, extract, model_config, text, count, layer_ids, gpus_per_worker, gpu_memory_gib * GIB)
+    return _transformers(model, extract, text, count, layer_ids, gpus_per_worker, gpu_memory_gib * GIB)
 
 
 def _vllm(
-    config: Config,
+    model: ModelConfig,
+    extract: ExtractConfig,
     model_config: Any,
     text: Any,
     count: ParameterCount,
@@ -104,12 +108,12 @@ def _vllm(
     gpus: int,
     gpu_memory: float,
 ) -> ExtractMemory:
-    settings = config.extract.vllm
-    dtype_bytes = GPU_DTYPE_BYTES[settings.dtype or config.model.dtype]
+    settings = extract.vllm
+    dtype_bytes = GPU_DTYPE_BYTES[settings.dtype or model.dtype]
     kv_bytes = KV_CACHE_BYTES.get(settings.kv_cache_dtype, dtype_bytes)
-    parameters, weight_bytes, source = _checkpoint_weights(config.model.path, model_config, count, dtype_bytes)
+    parameters, weight_bytes, source = _checkpoint_weights(model.path, model_config, count, dtype_bytes)
     per_gpu_weights = weight_bytes / gpus
-    aux = vllm_aux_layer_ids(config.extract.captured_entries(len(count.layers)), len(count.layers))
+    aux = vllm_aux_layer_ids(extract.captured_entries(len(count.layers)), len(count.layers))
     kv_per_token = kv_cache_bytes_per_token(text, kv_bytes, gpus)
     states_per_token = len(aux) * int(text.hidden_size) * dtype_bytes
     budget = settings.gpu_memory_utilization * gpu_memory
@@ -154,10 +158,15 @@ def _vllm(
 
 
 def _transformers(
-    config: Config, text: Any, count: ParameterCount, layer_ids: list[int], gpus: int, gpu_memory: float
+    model: ModelConfig,
+    extract: ExtractConfig,
+    text: Any,
+    count: ParameterCount,
+    layer_ids: list[int],
+    gpus: int,
+    gpu_memory: float,
 ) -> ExtractMemory:
-    extract = config.extract
-    dtype_bytes = GPU_DTYPE_BYTES[config.model.dtype]  # "auto" is bfloat16 on a GPU
+    dtype_bytes = GPU_DTYPE_BYTES[model.dtype]  # "auto" is bfloat16 on a GPU
     kept = len(count.layers) if extract.final_norm_state or extract.last_layer_state else max(layer_ids) + 1
     loaded = count.embedding + sum(count.layers[:kept]) + count.final_norm  # AutoModel: no LM head
     weight_bytes = float(loaded * dtype_bytes)

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from dflash_queue.config import Config
+from dflash_queue.config import Config, FlowerConfig, RunConfig
 from dflash_queue.errors import ConfigError
 
 AUTH_ENV = "FLOWER_BASIC_AUTH"
@@ -32,9 +32,11 @@ def check_basic_auth(env: Mapping[str, str] = os.environ) -> list[str]:
     return users
 
 
-def flower_argv(config: Config, *, port: int | None = None, address: str | None = None) -> list[str]:
-    """Arguments of Celery's `flower` command for this config."""
-    settings = config.flower
+def flower_argv(
+    settings: FlowerConfig, run: RunConfig, *, port: int | None = None, address: str | None = None
+) -> list[str]:
+    """Arguments of Celery's `flower` command for these settings (its database in the run's state directory by
+    default)."""
     argv = [
         "flower",
         f"--address={settings.address if address is None else address}",
@@ -45,7 +47,7 @@ def flower_argv(config: Config, *, port: int | None = None, address: str | None 
         "--enable_events=True",
     ]
     if settings.persistent:
-        db = settings.db or str(Path(config.run.state_dir) / "flower.db")
+        db = settings.db or str(Path(run.state_dir) / "flower.db")
         Path(db).parent.mkdir(parents=True, exist_ok=True)
         argv.append(f"--db={db}")
     if settings.purge_offline_workers_s:
@@ -54,7 +56,8 @@ def flower_argv(config: Config, *, port: int | None = None, address: str | None 
 
 
 def run_flower(config: Config, argv: list[str]) -> int | None:
-    """Run Flower in this process until SIGTERM/Ctrl-C."""
+    """Run Flower in this process until SIGTERM/Ctrl-C. Takes the whole Config: the Celery app is configured from
+    it (queue/app.py)."""
     from dflash_queue.queue.app import configure_app
 
     app = configure_app(config)

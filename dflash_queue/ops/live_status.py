@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 import redis
 
-from dflash_queue.config import Config
 from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.shard_states import DONE, FAILED
 from dflash_queue.runstate.window import SILENT_AFTER_S, ShardWindow, epoch_states
@@ -49,14 +48,13 @@ class LiveStatus:
         return self.epoch_done + self.epoch_failed < self.epoch_shards or bool(self.to_go)
 
 
-def collect_live(client: redis.Redis, config: Config, *, now: float | None = None) -> LiveStatus | None:
-    """None for a run no consumer follows and with no window or later epoch."""
+def collect_live(client: redis.Redis, run_name: str, window: int, *, now: float | None = None) -> LiveStatus | None:
+    """None for a run no consumer follows and with no window (extract.max_unconsumed_shards) or later epoch."""
     now = time.time() if now is None else now
-    consumption = ShardWindow(client, config.run.name)
-    ledger = Ledger(client, config.run.name)
+    consumption = ShardWindow(client, run_name)
+    ledger = Ledger(client, run_name)
     consumers = consumption.consumers()
     epoch = consumption.last_epoch()
-    window = config.extract.max_unconsumed_shards
     if not consumers and not window and epoch == 0:
         return None
     shards = consumption.epoch_shards(epoch) or {}

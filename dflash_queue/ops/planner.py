@@ -15,9 +15,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_queue.config import Config
 from dflash_queue.data.chat_template import ChatFormatter
+from dflash_queue.data.config import DatasetConfig
 from dflash_queue.data.samples import Sample
+from dflash_queue.engines.config import ModelConfig
+from dflash_queue.lanes.config import ExtractConfig
 from dflash_queue.lanes.registry import LANES
 
 # Expected completion tokens per prompt before any measurement, capped by generate.sampling.max_tokens.
@@ -70,13 +72,19 @@ def reservoir(items: Iterable[Sample], size: int, rng: random.Random) -> tuple[l
 
 
 def count_prompts(
-    config: Config, datasets: Sequence[Path], tokenizer, *, sample_size: int = 2000, seed: int = 0
+    dataset: DatasetConfig,
+    model: ModelConfig,
+    datasets: Sequence[Path],
+    tokenizer,
+    *,
+    sample_size: int = 2000,
+    seed: int = 0,
 ) -> PromptStats:
     """Read every record as the producer would; tokenise a random sample with the chat template."""
-    from dflash_queue.staging import EnqueueReport, iter_samples
+    from dflash_queue.prompt_staging import EnqueueReport, iter_samples
 
     report = EnqueueReport()
-    sample, total = reservoir(iter_samples(config, datasets, report), sample_size, random.Random(seed))
+    sample, total = reservoir(iter_samples(dataset, model, datasets, report), sample_size, random.Random(seed))
     formatter = ChatFormatter(tokenizer)
     lengths = [len(formatter.prompt_ids(s.messages, enable_thinking=s.thinking, tools=s.tools)) for s in sample]
     n = len(lengths)
@@ -174,15 +182,15 @@ class ModelShape:
     hidden_size: int
 
 
-def model_shape(config: Config) -> ModelShape:
+def model_shape(model: ModelConfig, extract: ExtractConfig) -> ModelShape:
     """K (the entries stored per token: the layers extracted, plus the final-norm state when asked for) and the
     hidden size, from the model's config.json (its text config for a multimodal checkpoint)."""
     from transformers import AutoConfig
 
     from dflash_queue.engines.layers import resolve_layer_ids
 
-    model_config = AutoConfig.from_pretrained(config.model.path)
+    model_config = AutoConfig.from_pretrained(model.path)
     text = getattr(model_config, "text_config", None) or model_config
-    layer_ids = resolve_layer_ids(config.extract.layer_ids, text.num_hidden_layers, config.extract.num_draft_layers)
-    entries = len(layer_ids) + int(config.extract.last_layer_state) + int(config.extract.final_norm_state)
+    layer_ids = resolve_layer_ids(extract.layer_ids, text.num_hidden_layers, extract.num_draft_layers)
+    entries = len(layer_ids) + int(extract.last_layer_state) + int(extract.final_norm_state)
     return ModelShape(entries, text.hidden_size)

@@ -78,7 +78,8 @@ class ShardSizing:
 
 
 def size_shards(config: Config, num_layers: int, hidden_size: int, tokens_per_sample: float) -> ShardSizing:
-    """The sizes for `config` with samples of `tokens_per_sample` tokens (prompt and completion)."""
+    """The sizes for `config` with samples of `tokens_per_sample` tokens (prompt and completion). Takes the whole
+    Config: it reads four sections, and the extract lane's task slots come from it (lanes/registry.py)."""
     extract = config.extract
     samples = config.dataset.shard_size
     size = shard_bytes(samples, tokens_per_sample, num_layers, hidden_size, extract.hidden_dtype)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import redis
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
-from dflash_queue.config import Config
+from dflash_queue.config import Config, StorageConfig
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
 from dflash_queue.ops.live_status import LiveStatus, collect_live
@@ -167,7 +167,8 @@ def collect_status(
     inspect_timeout: float = 1.0,
     now: float | None = None,
 ) -> RunStatus:
-    """A snapshot of the run. `workers` skips the control broadcast (given by a caller that already asked)."""
+    """A snapshot of the run. `workers` skips the control broadcast (given by a caller that already asked). Takes
+    the whole Config: it reads the run, broker, storage and extract sections and configures the Celery app from it."""
     now = time.time() if now is None else now
     # Redis first: an unreachable broker fails here, fast, instead of inside a control broadcast that retries.
     client = redis.Redis.from_url(config.broker.connection_url(), decode_responses=True, socket_connect_timeout=5)
@@ -182,7 +183,7 @@ def collect_status(
         unacked = unacked_by_queue(client)
         dead = dead_letters_per_lane(client, config.run.name)
         depths = {name: queue_depth(client, spec.queue) for name, spec in LANES.items()}
-        live = collect_live(client, config, now=now)
+        live = collect_live(client, config.run.name, config.extract.max_unconsumed_shards, now=now)
         liveness = Liveness(client, config.run.name, config.broker.worker_liveness_s)
         held = liveness.held_by_dead()
         # Only a live worker puts back what a dead one held: with none, nothing says when that work moves again.
@@ -191,7 +192,7 @@ def collect_status(
         servers_down = ServerWaits(client, config.run.name).all()
     finally:
         client.close()
-    stored, storage_error = stored_shards(config)
+    stored, storage_error = stored_shards(config.storage)
     missing = sorted(s for s, st in states.items() if st == DONE and s not in stored) if stored is not None else []
     if workers is None:
         from dflash_queue.queue.app import configure_app
@@ -276,10 +277,10 @@ def collect_status(
     )
 
 
-def stored_shards(config: Config) -> tuple[set[str] | None, str | None]:
+def stored_shards(settings: StorageConfig) -> tuple[set[str] | None, str | None]:
     """Ids of the training shards in the configured storage, or (None, why) when it cannot be listed."""
     try:
-        storage = open_storage(config.storage)
+        storage = open_storage(settings)
         try:
             return stored_shard_ids(storage), None
         finally:

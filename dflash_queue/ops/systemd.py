@@ -17,9 +17,17 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, STORAGE_URL_ENV, Config
+from dflash_queue.config import (
+    BROKER_URL_ENV,
+    PASSWORD_ENV,
+    PASSWORD_FILE_ENV,
+    STORAGE_URL_ENV,
+    BrokerConfig,
+    RunConfig,
+    StorageConfig,
+)
 from dflash_queue.lanes.registry import LANES
-from dflash_queue.lanes.tensor_parallel import group_size_error, vllm_tensor_parallel
+from dflash_queue.lanes.tensor_parallel import group_size_error
 from dflash_queue.ops.gpus import instance_name
 from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 
@@ -144,7 +152,7 @@ def template(name: str) -> str:
     return resources.files("dflash_queue.ops").joinpath("units", name).read_text(encoding="utf-8")
 
 
-def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) -> dict[str, str]:
+def render_units(run: RunConfig, broker: BrokerConfig, layout: UnitLayout, settings: InstallSettings) -> dict[str, str]:
     """File name -> contents of every unit this layout needs."""
     exec_command = settings.exec_command
     default_env: dict[str, str] = {}
@@ -157,11 +165,11 @@ def render_units(config: Config, layout: UnitLayout, settings: InstallSettings) 
     fields = {
         "ENV_FILE": str(settings.env_file),
         "EXTRA_ENVIRONMENT": "\n".join(f"Environment={_quote(f'{k}={v}')}" for k, v in environment.items()),
-        "WORKING_DIRECTORY": str(settings.working_directory or Path(config.run.state_dir)),
+        "WORKING_DIRECTORY": str(settings.working_directory or Path(run.state_dir)),
         "USER": f"User={settings.user}" if settings.user else "",
         "EXEC": exec_command,
         "CONFIG": str(settings.config_path.resolve()),
-        "TIMEOUT_STOP_S": str(config.broker.task_timeout_s + STOP_MARGIN_S),
+        "TIMEOUT_STOP_S": str(broker.task_timeout_s + STOP_MARGIN_S),
         "RESTART_S": str(RESTART_S),
         "FAILING_CHECKS_EXIT_STATUS": str(EXIT_FAILING_CHECKS),
         "RESTART_BACKOFF": backoff,
@@ -194,15 +202,15 @@ def _quote(assignment: str) -> str:
     return f'"{assignment}"' if any(c.isspace() for c in assignment) else assignment
 
 
-def env_file_text(config: Config, *, flower_password: str | None = None) -> str:
+def env_file_text(broker: BrokerConfig, storage: StorageConfig, *, flower_password: str | None = None) -> str:
     password = flower_password or secrets.token_urlsafe(18)
-    broker = config.broker.url or "redis://BROKER-HOST:6379/0"
+    broker_url = broker.url or "redis://BROKER-HOST:6379/0"
     return "\n".join(
         [
             "# Environment of the dflash-queue units (EnvironmentFile=). Mode 0600: it holds secrets.",
             f"# {BROKER_URL_ENV} and {STORAGE_URL_ENV} override broker.url and storage.url of the config.",
-            f"{BROKER_URL_ENV}={broker}",
-            f"{STORAGE_URL_ENV}={config.storage.url}",
+            f"{BROKER_URL_ENV}={broker_url}",
+            f"{STORAGE_URL_ENV}={storage.url}",
             "# The broker's password (never in the config or the URL), or a file holding it; the user is",
             "# broker.username. Leave them commented out for a broker without a password (loopback only).",
             f"#{PASSWORD_ENV}=",
@@ -242,19 +250,23 @@ class InstallReport:
 
 
 def install_units(
-    config: Config,
+    run: RunConfig,
+    broker: BrokerConfig,
+    storage: StorageConfig,
     layout: UnitLayout,
     settings: InstallSettings,
     dest: Path,
     *,
+    tensor_parallel: Mapping[str, int],
     node_gpus: tuple[int, ...] | None = None,
     force_env: bool = False,
     root: Path | None = None,
 ) -> InstallReport:
     """Write the units into `dest` and the environment file (kept if it exists, unless `force_env`), and create
-    the units' working directory. With `root` (as DESTDIR for `make install`), every path is created under it
+    the units' working directory. `tensor_parallel`: each vLLM lane's group size (lanes/tensor_parallel.py), checked
+    against the layout. With `root` (as DESTDIR for `make install`), every path is created under it
     (the units still name the paths of the installed system), and nothing outside it is touched."""
-    warnings = layout.check(node_gpus, vllm_tensor_parallel(config))
+    warnings = layout.check(node_gpus, tensor_parallel)
     report = InstallReport(warnings=warnings, instances=layout.instances())
 
     def under_root(path: Path) -> Path:
@@ -269,8 +281,8 @@ def install_units(
     dest = under_root(dest)
     make_dir(dest)
     # systemd refuses to start a unit whose WorkingDirectory does not exist.
-    make_dir(under_root(Path(settings.working_directory or config.run.state_dir)))
-    for name, text in render_units(config, layout, settings).items():
+    make_dir(under_root(Path(settings.working_directory or run.state_dir)))
+    for name, text in render_units(run, broker, layout, settings).items():
         path = dest / name
         path.write_text(text, encoding="utf-8")
         report.written.append(path)
@@ -282,6 +294,6 @@ def install_units(
         make_dir(env_file.parent)
         fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(env_file_text(config))
+            handle.write(env_file_text(broker, storage))
         os.chmod(env_file, 0o600)
     return report

@@ -32,7 +32,7 @@ def invoke(*args: str):
 
 def test_after_the_run_its_broker_data_answers(make_config):
     config = make_config(broker={"url": ""})
-    with RedisServer(private_broker_dir(config)) as server:  # as `run` starts it
+    with RedisServer(private_broker_dir(config.run)) as server:  # as `run` starts it
         DeadLetters.from_url(server.url, config.run.name).add(dead_letter("s1"))
     listed = invoke("dead", "list", "--json", "-c", config.source)
     assert listed.exit_code == 0, listed.output
@@ -50,7 +50,7 @@ def test_after_the_run_its_broker_data_answers(make_config):
 
 def test_while_the_run_is_up_its_server_answers(make_config):
     config = make_config(broker={"url": ""})
-    with RedisServer(private_broker_dir(config)) as server:
+    with RedisServer(private_broker_dir(config.run)) as server:
         record_url(server.directory, server.url)
         DeadLetters.from_url(server.url, config.run.name).add(dead_letter("live"))
         listed = invoke("dead", "list", "--json", "-c", config.source)
@@ -70,7 +70,7 @@ def test_no_broker_and_no_run_data_is_said_without_a_traceback(make_config):
 def test_with_a_broker_password_the_private_server_asks_for_it(make_config, tmp_path, monkeypatch):
     (tmp_path / "broker.password").write_text("run-Secret-3\n")
     config = make_config(broker={"url": "", "username": "worker", "password_file": str(tmp_path / "broker.password")})
-    server = private_server(config).start()  # as `run` starts it
+    server = private_server(config.run, config.broker).start()  # as `run` starts it
     try:
         with pytest.raises(redis.AuthenticationError):
             redis.Redis.from_url(server.url).ping()
@@ -83,7 +83,7 @@ def test_with_a_broker_password_the_private_server_asks_for_it(make_config, tmp_
         server.stop()
     assert listed.exit_code == 0, listed.output
     assert [r["shard_id"] for r in json.loads(listed.stdout)] == ["guarded"]
-    assert "run-Secret-3" not in (private_broker_dir(config) / "redis.log").read_text()
+    assert "run-Secret-3" not in (private_broker_dir(config.run) / "redis.log").read_text()
     # After the run, the server started on its data asks for the password too.
     after = invoke("dead", "list", "--json", "-c", config.source)
     assert after.exit_code == 0 and [r["shard_id"] for r in json.loads(after.stdout)] == ["guarded"]

@@ -21,10 +21,7 @@ from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.length import source_position
 from dflash_queue.data.samples import EncodedSample
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import configure_app
-from dflash_queue.runstate.ledger import Ledger
-from dflash_queue.shards.prompts import decode_prompts, encode_prompts
-from dflash_queue.staging import (
+from dflash_queue.prompt_staging import (
     AUTO_MIN_BYTES,
     EnqueueReport,
     build_length_filter,
@@ -32,6 +29,9 @@ from dflash_queue.staging import (
     iter_samples,
     staging_processes,
 )
+from dflash_queue.queue.app import configure_app
+from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.shards.prompts import decode_prompts, encode_prompts
 from dfq_testing.templates import ALTERNATING_TEMPLATE
 
 SUBJECTS = ["tides", "owls", "bread", "maps", "a binary search", "def f(x): return x", "what is 17 * 23?"]
@@ -68,7 +68,8 @@ def dataset(tmp_path: Path) -> list[Path]:
 def staged(config, paths, processes: int, formatter, *, encoded: bool = False) -> tuple[list, EnqueueReport]:
     report = EnqueueReport()
     read = iter_encoded if encoded else iter_samples
-    samples = list(read(config, paths, report, build_length_filter(config, formatter), processes=processes))
+    length_filter = build_length_filter(config, formatter)
+    samples = list(read(config.dataset, config.model, paths, report, length_filter, processes=processes))
     return samples, report
 
 
@@ -131,17 +132,17 @@ def test_automatic_staging_processes(make_config, tmp_path):
     with open(large, "wb") as handle:
         handle.truncate(AUTO_MIN_BYTES)
     auto = make_config()
-    assert staging_processes(auto, [large], cores=16) == 15
-    assert staging_processes(auto, [large], cores=64) == 32
-    assert staging_processes(auto, [large], cores=2) == 1
-    assert staging_processes(auto, [small, tmp_path / "missing.jsonl"], cores=16) == 1
-    assert staging_processes(make_config("fixed.toml", dataset={"staging_processes": 3}), [small], cores=2) == 3
+    assert staging_processes(auto.dataset, [large], cores=16) == 15
+    assert staging_processes(auto.dataset, [large], cores=64) == 32
+    assert staging_processes(auto.dataset, [large], cores=2) == 1
+    assert staging_processes(auto.dataset, [small, tmp_path / "missing.jsonl"], cores=16) == 1
+    assert staging_processes(make_config("fixed.toml", dataset={"staging_processes": 3}).dataset, [small], cores=2) == 3
 
 
 def test_staging_stopped_early_stops_its_pool(dataset, make_config, monkeypatch):
     monkeypatch.setattr(preparation, "CHUNK", 16)
     config = make_config(dataset={"thinking": "auto"})
-    samples = iter_encoded(config, dataset, EnqueueReport(), processes=2)
+    samples = iter_encoded(config.dataset, config.model, dataset, EnqueueReport(), processes=2)
     first = [next(samples) for _ in range(3)]
     pool = multiprocessing.active_children()
     assert len(first) == 3 and len(pool) >= 2

@@ -46,7 +46,7 @@ def test_gpu_readings_flow_into_the_checks(make_config):
     by_name = {c.name: c for c in checks}
     assert by_name["gpu 0 arch"].verdict == "fail"
     assert by_name["gpu 0 memory"].verdict == "pass"  # 90 of 96 GiB free >= 0.9 x 96 (transformers engine)
-    assert memory_utilization(config) == 0.9
+    assert memory_utilization({}, config.generate, config.extract) == 0.9
 
 
 def test_json_output(make_config):
@@ -84,6 +84,6 @@ def test_doctor_reports_the_configured_staging_directory(make_config, tmp_path):
     from dflash_queue.doctor import writable_dirs
 
     config = make_config(storage={"uploader": {"staging_dir": str(tmp_path / "fast-disk" / "staging")}})
-    assert writable_dirs(config)["staging"] == tmp_path / "fast-disk" / "staging"
+    assert writable_dirs(config.run, config.storage, config.staging_dir)["staging"] == tmp_path / "fast-disk" / "staging"
     default = make_config("default.toml")
-    assert writable_dirs(default)["staging"] == Path(default.run.state_dir) / "staging"
+    assert writable_dirs(default.run, default.storage, default.staging_dir)["staging"] == Path(default.run.state_dir) / "staging"

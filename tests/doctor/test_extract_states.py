@@ -21,26 +21,28 @@ NO_GPUS = ([], [], None)
 def test_no_engine_starts_without_weights_on_the_transformers_engine_or_when_skipped(
     make_config, tiny_model, redis_url, tmp_path
 ):
-    def refuse(config):
+    def refuse():
         raise AssertionError("no engine may start here")
 
-    assert check_extract_states(make_config(), start=refuse) is None  # extract.engine = "transformers"
+    plain = make_config()
+    assert check_extract_states(plain.extract, plain.model, start=refuse) is None  # extract.engine = "transformers"
     weightless = local_copy(REPO / "worker_configs" / "qwen3.6-27b-h200.toml", tmp_path,
                             model=REPO / "examples" / "qwen3.6-27b-class", tokenizer=tiny_model, broker_url=redis_url)
-    assert check_extract_states(load_config(weightless), start=refuse) is None
+    weightless_config = load_config(weightless)
+    assert check_extract_states(weightless_config.extract, weightless_config.model, start=refuse) is None
     vllm = make_config("vllm.toml", extract={"engine": "vllm"})
     assert NAME not in {c.name for c in run_doctor(vllm, gpu_reader=lambda: NO_GPUS, start_engine=False)}
 
-    def unsupported(config):
+    def unsupported():
         raise UnsupportedArchitecture("vLLM extract engine: layer 1 (decoder_output) differs")
 
-    refused = check_extract_states(vllm, start=unsupported)
+    refused = check_extract_states(vllm.extract, vllm.model, start=unsupported)
     assert refused is not None and refused.verdict == "fail" and refused.detail.startswith("vLLM extract engine: layer 1")
 
-    def broken(config):
+    def broken():
         raise RuntimeError("Engine core initialization failed")
 
-    failed = check_extract_states(vllm, start=broken)
+    failed = check_extract_states(vllm.extract, vllm.model, start=broken)
     assert failed is not None and failed.detail == (
         "the vLLM extract engine did not start: RuntimeError: Engine core initialization failed"
     )

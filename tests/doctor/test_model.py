@@ -38,20 +38,22 @@ def test_templates_without_a_switch(tiny_model, template, policy, verdict):
 
 
 def test_model_and_tokenizer_load_and_layers_exist(make_config):
-    checks, tokenizer = check_model(make_config())
+    config = make_config()
+    checks, tokenizer = check_model(config.model, config.extract)
     assert [(c.name, c.verdict) for c in checks] == [("model", "pass"), ("architecture", "pass"), ("tokenizer", "pass")]
     assert "6 layers, hidden 128; extracting layers [1, 2, 3]" in checks[0].detail
     assert checks[1].detail == "qwen3: 6 layers (6 full_attention), hidden 128; extraction packed"
     assert tokenizer is not None
 
     too_many = make_config("k5.toml", extract={"num_draft_layers": 5})
-    checks, _ = check_model(too_many)
+    checks, _ = check_model(too_many.model, too_many.extract)
     assert checks[0].verdict == "fail" and "cannot spread 5 layers over a 6-layer model" in checks[0].detail
 
 
 def test_a_model_directory_without_a_model(make_config, tmp_path):
     empty = tmp_path / "not-a-model"
     empty.mkdir()
-    checks, tokenizer = check_model(make_config("empty.toml", model={"path": str(empty)}))
+    config = make_config("empty.toml", model={"path": str(empty)})
+    checks, tokenizer = check_model(config.model, config.extract)
     assert [(c.name, c.verdict) for c in checks] == [("model", "fail"), ("tokenizer", "fail")]
     assert tokenizer is None

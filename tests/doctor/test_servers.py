@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_queue.doctor.servers import check_servers
+from dflash_queue.lanes.generate import build_generate_engine
 from dfq_testing.fake_sglang import FakeSglang, ToyBackend
 
 
@@ -25,18 +26,22 @@ def server_config(make_config, *urls: str, model: str = "tiny-qwen3"):
     )
 
 
+def servers_of(config):
+    return check_servers(config.generate, config.served_model_name, lambda: build_generate_engine(config))
+
+
 def test_doctor_passes_a_server_that_serves_the_target_and_warns_of_one_that_is_down(make_config, fake):
     down = "http://127.0.0.1:9"  # discard port: nothing listens
-    checks = check_servers(server_config(make_config, fake.url, down))
+    checks = servers_of(server_config(make_config, fake.url, down))
     assert [(c.name, c.verdict) for c in checks] == [("server", "pass"), ("server", "warn")]
     assert checks[0].detail == f"{fake.url}: serves tiny-qwen3, checked"
     assert checks[1].detail.startswith(f"{down}: not used: cannot connect")
 
 
 def test_doctor_fails_when_no_server_serves_the_target(make_config, fake):
-    (check,) = check_servers(server_config(make_config, fake.url, model="Qwen3-27B"))
+    (check,) = servers_of(server_config(make_config, fake.url, model="Qwen3-27B"))
     assert check.verdict == "fail" and "serves tiny-qwen3, not Qwen3-27B" in check.detail
 
 
 def test_doctor_skips_the_servers_for_other_engines(make_config):
-    assert check_servers(make_config()) == []
+    assert servers_of(make_config()) == []

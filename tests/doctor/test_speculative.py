@@ -41,7 +41,7 @@ def speculative_check(make_config, model: Path, spec: dict):
         model={"path": str(model), "name": "tiny", "dtype": "float32", "device": "cpu"},
         **{"generate.vllm.engine_args": {"speculative_config": spec}},
     )
-    return config, check_speculative(config, AutoConfig.from_pretrained(model))
+    return config, check_speculative(config.generate, config.model, AutoConfig.from_pretrained(model))
 
 
 def test_mtp_on_a_checkpoint_without_mtp_layers_fails_saying_so(make_config, tiny_model):
@@ -93,5 +93,5 @@ def test_ngram_needs_no_weights_and_a_draft_model_must_be_named(make_config, tin
 
 def test_no_check_without_speculative_decoding(make_config, tiny_model):
     config = make_config(generate={"engine": "vllm"})
-    assert check_speculative(config, AutoConfig.from_pretrained(tiny_model)) is None
+    assert check_speculative(config.generate, config.model, AutoConfig.from_pretrained(tiny_model)) is None
     assert "speculative decoding" not in {c.name for c in run_doctor(config, gpu_reader=lambda: ([], [], None))}

@@ -17,6 +17,7 @@ from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
 from dflash_queue.engines.vllm_support import FORCED_SETTINGS, transfer_bytes
 from dflash_queue.lanes.extract import vllm_extract_settings
+from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 from dfq_testing.configs import local_copy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,18 +28,18 @@ H200 = GpuInfo(0, "NVIDIA H200", (9, 0), 140 * GIB, 139 * GIB)
 @pytest.mark.vllm
 def test_the_extract_engine_names_what_it_forces_and_how_it_prefills(make_config):
     on = make_config(extract={"engine": "vllm"})
-    check = check_extract_engine(AutoConfig.from_pretrained(QWEN3_235B), on)
+    check = check_extract_engine(AutoConfig.from_pretrained(QWEN3_235B), on.extract.vllm)
     assert check.verdict == "pass" and check.detail.startswith("vLLM extracts Qwen3MoeForCausalLM, tensor parallel 1")
     assert all(setting in check.detail and why in check.detail for setting, why in FORCED_SETTINGS)
     assert check.detail.endswith("chunked prefill on, every sequence checked whole before it is stored")
     off = make_config("off.toml", extract={"engine": "vllm"}, **{"extract.vllm": {"enable_chunked_prefill": False}})
-    assert check_extract_engine(AutoConfig.from_pretrained(QWEN3_235B), off).detail.endswith("chunked prefill off")
+    assert check_extract_engine(AutoConfig.from_pretrained(QWEN3_235B), off.extract.vllm).detail.endswith("chunked prefill off")
 
 
 def test_the_extract_engine_fails_with_vllms_reason(make_config):
     # gpt-oss whose sliding windows are not on every other layer: vLLM's model would compute something else.
     target = GptOssConfig(num_hidden_layers=4, layer_types=["full_attention"] * 4, architectures=["GptOssForCausalLM"])
-    check = check_extract_engine(target, make_config(extract={"engine": "vllm"}))
+    check = check_extract_engine(target, make_config(extract={"engine": "vllm"}).extract.vllm)
     assert check.verdict == "fail" and check.detail.startswith("vLLM: gpt_oss: vLLM puts a sliding window")
 
 
@@ -65,11 +66,11 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
     text = AutoConfig.from_pretrained(config.model.path)
     # 1,024 tokens x 3 aux layers (layers 1, 2, 3) x hidden 128 x 4 bytes (float32) x 2 tasks.
     assert transfer_bytes(vllm_extract_settings(config), text) == 1024 * 3 * 128 * 4 * 2 == 3_145_728
-    passed = check_transfer_dir(config, text)
+    passed = check_transfer_dir(config.extract.vllm, text, lambda: vllm_extract_settings(config))
     assert passed.verdict == "pass" and passed.detail.endswith("2 sequence(s) of 1,024 tokens need 0.0 GB")
     assert list(transfer.iterdir()) == []  # the probe file is gone
     monkeypatch.setattr(vllm_engines.shutil, "disk_usage", lambda path: SimpleNamespace(free=10**6))
-    short = check_transfer_dir(config, text)  # the worker refuses to start on it: the same words
+    short = check_transfer_dir(config.extract.vllm, text, lambda: vllm_extract_settings(config))  # the worker refuses to start on it: the same words
     assert short.verdict == "fail" and short.detail == (
         f"{transfer}: the transfer directory {transfer} has 1.0 MB free, less than the 3.1 MB that "
         "extract.vllm.inflight_tasks (2) sequences of max_model_len (1,024 tokens, 1.6 MB of states each) need: give "
@@ -80,12 +81,12 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
     # A configured directory not there yet: the engine makes it, where its parent is writable.
     missing = make_config("missing.toml", extract={"engine": "vllm"},
                           **{"extract.vllm": {"transfer_dir": str(tmp_path / "nowhere" / "states")}})
-    made = check_transfer_dir(missing, text)
+    made = check_transfer_dir(missing.extract.vllm, text, lambda: vllm_extract_settings(missing))
     assert made.verdict == "pass" and f"(created by the engine under {tmp_path})" in made.detail
     # The default, /dev/shm, missing: the engine falls back to the temporary directory, on disk.
     default = make_config("default.toml", extract={"engine": "vllm"})
     monkeypatch.setattr(vllm_engines, "DEFAULT_TRANSFER_DIR", tmp_path / "no-shm")
-    fallback = check_transfer_dir(default, text)
+    fallback = check_transfer_dir(default.extract.vllm, text, lambda: vllm_extract_settings(default))
     assert fallback.verdict == "warn" and "on disk; set extract.vllm.transfer_dir to a tmpfs directory" in fallback.detail
     monkeypatch.undo()
 
@@ -93,14 +94,16 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(vllm_engines.tempfile, "NamedTemporaryFile", refuse)
-    unwritable = check_transfer_dir(config, text)
+    unwritable = check_transfer_dir(config.extract.vllm, text, lambda: vllm_extract_settings(config))
     assert unwritable.verdict == "fail" and unwritable.detail == f"{transfer} is not writable (Permission denied)"
 
 
 def test_either_lane_on_vllm_needs_vllm_and_reserves_gpu_memory(make_config, monkeypatch):
     config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"gpu_memory_utilization": 0.95}})
-    assert memory_utilization(config) == 0.95  # generate runs on Transformers here
-    assert memory_utilization(make_config("hf.toml")) == 0.9  # generate.vllm's default, no lane on vLLM
+    # generate runs on Transformers here
+    assert memory_utilization(vllm_tensor_parallel(config), config.generate, config.extract) == 0.95
+    hf = make_config("hf.toml")  # no lane on vLLM: generate.vllm's default
+    assert memory_utilization(vllm_tensor_parallel(hf), hf.generate, hf.extract) == 0.9
     busy = GpuInfo(0, "NVIDIA H200", (9, 0), 140 * GIB, 120 * GIB)  # 120 GiB free < 0.95 x 140
     checks = {c.name: c for c in run_doctor(config, gpu_reader=lambda: ([busy], ["sm_90"], "12.8"), start_engine=False)}
     assert checks["gpu 0 memory"].verdict == "fail"  # the vLLM extract engine reserves its share at start

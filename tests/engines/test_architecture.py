@@ -124,7 +124,7 @@ def test_the_engine_and_doctor_refuse_an_encoder_before_any_work(bert_checkpoint
     with pytest.raises(UnsupportedArchitecture, match="cannot extract exact hidden states of bert: .* an encoder"):
         HiddenStateExtractor(str(bert_checkpoint), layer_ids=(0, 1), device="cpu", dtype="float32")
     config = make_config("bert.toml", model={"path": str(bert_checkpoint)})
-    checks, _ = check_model(config)
+    checks, _ = check_model(config.model, config.extract)
     [architecture] = [c for c in checks if c.name == "architecture"]
     assert architecture.verdict == "fail" and "refused: an encoder (BertForMaskedLM)" in architecture.detail
 
@@ -139,7 +139,7 @@ def test_an_extract_worker_with_an_unsupported_model_exits_at_start_naming_it(be
 
 def test_doctor_says_how_each_family_is_extracted(tiny_family, make_config):
     config = make_config("q35.toml", model={"path": str(tiny_family("qwen3_5"))})
-    check = check_architecture(AutoConfig.from_pretrained(tiny_family("qwen3_5")), config)
+    check = check_architecture(AutoConfig.from_pretrained(tiny_family("qwen3_5")), config.extract)
     assert check.verdict == "pass" and check.detail.endswith("extraction packed")
 
 
@@ -189,7 +189,7 @@ def test_the_shipped_h200_config_runs_the_27b_class_hybrid_packed_on_the_dflash_
     text_config = model_config.get_text_config()
     layer_ids = resolve_layer_ids(config.extract.layer_ids, text_config.num_hidden_layers, config.extract.num_draft_layers)
     assert layer_ids == [1, 16, 31, 46, 61]
-    check = check_architecture(model_config, config)
+    check = check_architecture(model_config, config.extract)
     assert check.verdict == "pass"
     assert check.detail == (
         "qwen3_5 (text decoder qwen3_5_text): 64 layers (48 linear_attention, 16 full_attention), hidden 5120; "

@@ -64,7 +64,7 @@ def test_the_example_trains_two_epochs_on_a_job_dflash_queue_run_runs(tiny_model
     assert "2 epoch(s)" in trainer.stdout
     assert run.returncode == 0, err[-3000:]
     assert "staying up for training" in err and "every consumer has trained its epochs" in err, err[-3000:]
-    assert not (private_broker_dir(load_config(config_path)) / "broker.url").exists()  # the run stopped its broker
+    assert not (private_broker_dir(load_config(config_path).run) / "broker.url").exists()  # the run stopped its broker
 
     acks: dict[int, Counter[str]] = {}
     for line in ack_log.read_text().splitlines():

@@ -30,7 +30,9 @@ def test_vllm_engine_weights_and_cache_per_gpu(make_config, tiny_model, tmp_path
         model={"path": str(unindexed)},
         extract={"engine": "vllm"}, **{"extract.vllm": {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.5}}
     )
-    memory = extract_memory(config, AutoConfig.from_pretrained(unindexed), gpus_per_worker=2, gpu_memory_gib=1)
+    memory = extract_memory(
+        config.model, config.extract, AutoConfig.from_pretrained(unindexed), gpus_per_worker=2, gpu_memory_gib=1
+    )
     # float32 (model.dtype): 4 bytes a parameter, half the weights on each of the 2 GPUs.
     assert memory.parameters == TOTAL and memory.parameters_source == "config shapes"
     assert memory.weight_bytes == TOTAL * 4 and memory.weight_bytes_per_gpu == TOTAL * 4 / 2 == 3_150_592
@@ -51,13 +53,15 @@ def test_vllm_engine_weights_and_cache_per_gpu(make_config, tiny_model, tmp_path
 def test_vllm_engine_cache_set_by_size_and_the_warnings(make_config, tiny_model):
     model_config = AutoConfig.from_pretrained(tiny_model)
     sized = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"kv_cache_memory_gib": 0.5}})
-    memory = extract_memory(sized, model_config, gpus_per_worker=1, gpu_memory_gib=1)
+    memory = extract_memory(sized.model, sized.extract, model_config, gpus_per_worker=1, gpu_memory_gib=1)
     assert memory.tokens_in_flight == 2**29 // (3072 + 1536)  # kv_cache_memory_gib, whatever the weights
     short = make_config("short.toml", extract={"engine": "vllm"}, **{"extract.vllm": {"kv_cache_memory_gib": 0.01}})
-    [warning] = extract_memory(short, model_config, gpus_per_worker=1, gpu_memory_gib=1).warnings
+    [warning] = extract_memory(short.model, short.extract, model_config, gpus_per_worker=1, gpu_memory_gib=1).warnings
     # 0.01 GiB (10,737,418 bytes) over 4,608 bytes a token: 2,330 tokens, fewer than the model's 4,096.
     assert "room for 2,330 tokens in flight, less than one sequence of max_model_len 4,096" in warning
-    [warning] = extract_memory(sized, model_config, gpus_per_worker=1, gpu_memory_gib=0.001).warnings
+    [warning] = extract_memory(
+        sized.model, sized.extract, model_config, gpus_per_worker=1, gpu_memory_gib=0.001
+    ).warnings
     assert "do not fit" in warning and "raise extract.vllm.tensor_parallel_size" in warning
 
 
@@ -68,20 +72,26 @@ def test_vllm_engine_weights_from_a_checkpoint_index(make_config, tiny_model, tm
     # float32 in the checkpoint (its config's dtype): 8,000,000 bytes are 2,000,000 parameters, bf16 in the engine.
     (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 8_000_000}}))
     config = make_config(model={"path": str(model), "dtype": "bfloat16"}, extract={"engine": "vllm"})
-    memory = extract_memory(config, AutoConfig.from_pretrained(model), gpus_per_worker=1, gpu_memory_gib=1)
+    memory = extract_memory(
+        config.model, config.extract, AutoConfig.from_pretrained(model), gpus_per_worker=1, gpu_memory_gib=1
+    )
     assert memory.parameters == 2_000_000 and memory.weight_bytes == 4_000_000
     assert memory.parameters_source == "checkpoint index (metadata.total_size / 4 bytes)"
 
 
 def test_the_tiny_models_own_index_counts_what_the_config_shapes_count(make_config, tiny_model):
     config = make_config(extract={"engine": "vllm"})
-    memory = extract_memory(config, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=1, gpu_memory_gib=1)
+    memory = extract_memory(
+        config.model, config.extract, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=1, gpu_memory_gib=1
+    )
     assert memory.parameters_source.startswith("checkpoint index") and memory.parameters == TOTAL
 
 
 def test_transformers_engine_over_a_group_of_gpus(make_config, tiny_model):
     config = make_config()  # layers [1, 2, 3], token budget 2,048, float32
-    memory = extract_memory(config, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=2, gpu_memory_gib=1)
+    memory = extract_memory(
+        config.model, config.extract, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=2, gpu_memory_gib=1
+    )
     # The engine loads no LM head and no layer above 3: the embedding, 4 layers and the final norm.
     loaded = (EMBEDDING + 4 * LAYER + 128) * 4
     assert memory.weight_bytes == loaded == 3_938_816 and memory.weight_bytes_per_gpu == loaded / 2
@@ -93,6 +103,7 @@ def test_transformers_engine_over_a_group_of_gpus(make_config, tiny_model):
     assert memory.compute_gpus == 1 and memory.flop_per_token == 2 * 4 * LAYER
     assert memory.tokens_per_s == pytest.approx(0.5 * 790e12 / (2 * 4 * LAYER))
     assert "x 1 GPU(s) (a group's layers run one GPU after another)" in memory.assumption
-    [warning] = extract_memory(config, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=1,
+    [warning] = extract_memory(
+        config.model, config.extract, AutoConfig.from_pretrained(tiny_model), gpus_per_worker=1,
                                gpu_memory_gib=0.01).warnings
     assert "GiB per GPU (weights and a pass of 2,048 tokens)" in warning and "lower extract.token_budget" in warning

@@ -154,7 +154,7 @@ def test_flower_command_needs_basic_auth_and_a_broker(make_config, tmp_path):
 
 def test_flower_arguments_follow_the_config(make_config, tmp_path):
     config = make_config(flower={"max_tasks": 1234, "persistent": True, "purge_offline_workers_s": 600})
-    argv = flower_argv(config, port=6000)
+    argv = flower_argv(config.flower, config.run, port=6000)
     assert argv[0] == "flower"
     assert "--port=6000" in argv and "--address=127.0.0.1" in argv
     assert "--max_tasks=1234" in argv and "--persistent=True" in argv

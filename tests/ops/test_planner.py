@@ -81,13 +81,14 @@ def test_model_shape_of_a_multimodal_checkpoint_counts_the_last_layer_entries(ma
     from dflash_queue.ops.planner import model_shape
 
     config = make_config("q35.toml", model={"path": str(tiny_family("qwen3_5"))}, extract={"num_draft_layers": 3})
-    assert (model_shape(config).num_layers_kept, model_shape(config).hidden_size) == (3, 64)
+    shape = model_shape(config.model, config.extract)
+    assert (shape.num_layers_kept, shape.hidden_size) == (3, 64)
     with_norm = make_config("q35n.toml", model={"path": str(tiny_family("qwen3_5"))},
                             extract={"num_draft_layers": 3, "final_norm_state": True})
-    assert model_shape(with_norm).num_layers_kept == 4
+    assert model_shape(with_norm.model, with_norm.extract).num_layers_kept == 4
     both = make_config("q35b.toml", model={"path": str(tiny_family("qwen3_5"))},
                        extract={"num_draft_layers": 3, "final_norm_state": True, "last_layer_state": True})
-    assert model_shape(both).num_layers_kept == 5  # the last layer before the norm is an entry of its own
+    assert model_shape(both.model, both.extract).num_layers_kept == 5  # the last layer before the norm is an entry of its own
 
 
 def test_output_tokens_from_the_thinking_mix():
@@ -137,12 +138,12 @@ def test_counting_prompts_with_the_real_tokenizer(make_config, tiny_model):
     exact = exact_prompt_tokens(config, tiny_model)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
-    whole = count_prompts(config, [SAMPLE], tokenizer, sample_size=1000)
+    whole = count_prompts(config.dataset, config.model, [SAMPLE], tokenizer, sample_size=1000)
     assert whole.prompts == len(exact) == 50 and whole.sample_size == 50
     assert whole.prompt_tokens == pytest.approx(sum(exact)) and whole.prompt_tokens_se == 0
     assert whole.thinking_share == 1.0
 
-    sampled = count_prompts(config, [SAMPLE], tokenizer, sample_size=20, seed=3)
+    sampled = count_prompts(config.dataset, config.model, [SAMPLE], tokenizer, sample_size=20, seed=3)
     assert sampled.sample_size == 20 and sampled.prompt_tokens_se > 0
     assert abs(sampled.prompt_tokens - sum(exact)) < 4 * sampled.prompt_tokens_se
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 from dflash_queue.ops.systemd import (
     InstallSettings,
     UnitLayout,
@@ -39,6 +40,14 @@ def settings(tmp_path: Path, config, **overrides) -> InstallSettings:
     return InstallSettings(**values)
 
 
+def install(config, layout: UnitLayout, settings: InstallSettings, dest: Path, **options):
+    """install_units with the config's sections, as `dflash-queue systemd` calls it."""
+    return install_units(
+        config.run, config.broker, config.storage, layout, settings, dest,
+        tensor_parallel=vllm_tensor_parallel(config), **options,
+    )
+
+
 def verify(unit_dir: Path, *units: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [SYSTEMD_ANALYZE, "verify", *(str(unit_dir / unit) for unit in units)],
@@ -56,7 +65,7 @@ def directive(text: str, key: str) -> list[str]:
 def test_installed_units_pass_systemd_analyze_verify(make_config, tmp_path):
     config = make_config()
     dest = tmp_path / "units"
-    report = install_units(config, LAYOUT, settings(tmp_path, config), dest, node_gpus=(0, 1, 2, 3))
+    report = install(config, LAYOUT, settings(tmp_path, config), dest, node_gpus=(0, 1, 2, 3))
     assert sorted(p.name for p in report.written) == [
         "dflash-extract@.service",
         "dflash-flower.service",
@@ -96,7 +105,7 @@ def test_verify_catches_a_missing_executable(make_config, tmp_path):
     """The verification has teeth: a unit pointing at a binary that does not exist fails it."""
     config = make_config()
     dest = tmp_path / "units"
-    install_units(config, LAYOUT, settings(tmp_path, config, exec_command="/nonexistent/bin/dflash-queue"), dest)
+    install(config, LAYOUT, settings(tmp_path, config, exec_command="/nonexistent/bin/dflash-queue"), dest)
     result = verify(dest, "dflash-flower.service")
     assert result.returncode != 0
     assert "/nonexistent/bin/dflash-queue" in result.stderr
@@ -107,7 +116,7 @@ def test_a_worker_stopped_for_failing_checks_is_not_restarted_and_one_whose_engi
     from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 
     config = make_config()
-    units = render_units(config, LAYOUT, settings(tmp_path, config))
+    units = render_units(config.run, config.broker, LAYOUT, settings(tmp_path, config))
     for unit in ("dflash-generate@.service", "dflash-extract@.service"):
         assert directive(units[unit], "Restart") == ["on-failure"]
         assert directive(units[unit], "RestartPreventExitStatus") == [str(EXIT_FAILING_CHECKS)]
@@ -117,8 +126,8 @@ def test_a_worker_stopped_for_failing_checks_is_not_restarted_and_one_whose_engi
 
 def test_backoff_keys_only_for_a_systemd_that_knows_them(make_config, tmp_path):
     config = make_config()
-    old = render_units(config, LAYOUT, settings(tmp_path, config, systemd_version=252))
-    new = render_units(config, LAYOUT, settings(tmp_path, config, systemd_version=254))
+    old = render_units(config.run, config.broker, LAYOUT, settings(tmp_path, config, systemd_version=252))
+    new = render_units(config.run, config.broker, LAYOUT, settings(tmp_path, config, systemd_version=254))
     assert "RestartSteps" not in old["dflash-generate@.service"]
     assert directive(new["dflash-generate@.service"], "RestartSteps") == ["5"]
     assert directive(new["dflash-generate@.service"], "RestartMaxDelaySec") == ["600"]
@@ -174,7 +183,7 @@ def test_a_vllm_lanes_groups_must_match_its_tensor_parallel_size(make_config, tm
 def test_env_file_is_private_and_kept_unless_forced(make_config, tmp_path):
     config = make_config()
     s = settings(tmp_path, config)
-    install_units(config, LAYOUT, s, tmp_path / "units")
+    install(config, LAYOUT, s, tmp_path / "units")
     text = s.env_file.read_text()
     assert stat.S_IMODE(s.env_file.stat().st_mode) == 0o600
     assert f"DFQ_BROKER_URL={config.broker.url}" in text
@@ -184,9 +193,9 @@ def test_env_file_is_private_and_kept_unless_forced(make_config, tmp_path):
     assert "#DFQ_BROKER_PASSWORD=" in text and "#DFQ_BROKER_PASSWORD_FILE=" in text
 
     s.env_file.write_text("FLOWER_BASIC_AUTH=ops:mine\n")
-    report = install_units(config, LAYOUT, s, tmp_path / "units")
+    report = install(config, LAYOUT, s, tmp_path / "units")
     assert report.env_file_kept and s.env_file.read_text() == "FLOWER_BASIC_AUTH=ops:mine\n"
-    install_units(config, LAYOUT, s, tmp_path / "units", force_env=True)
+    install(config, LAYOUT, s, tmp_path / "units", force_env=True)
     assert "DFQ_BROKER_URL" in s.env_file.read_text()
 
 
@@ -217,7 +226,7 @@ def test_generate_unit_command_starts_a_worker_named_for_its_gpus(make_config, t
     """Run the rendered ExecStart for instance 0-1: a real worker, node name generate-0-1@<host>."""
     config = make_config()
     s = settings(tmp_path, config)
-    report = install_units(config, LAYOUT, s, tmp_path / "units")
+    report = install(config, LAYOUT, s, tmp_path / "units")
     unit = (tmp_path / "units" / "dflash-generate@.service").read_text()
     command = systemd_command(unit, "0-1")
     env = {**os.environ, **environment(unit, s.env_file)}

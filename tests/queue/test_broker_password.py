@@ -101,7 +101,7 @@ def test_workers_log_in_as_a_least_rights_user_and_the_password_shows_nowhere(
         flower.terminate()
         flower.wait(timeout=30)
     no_password_in(log.read_bytes(), "Flower's log")
-    no_password_in(" ".join(flower_argv(config)), "Flower's arguments")
+    no_password_in(" ".join(flower_argv(config.flower, config.run)), "Flower's arguments")
 
     for worker in workers:
         no_password_in(Path(f"/proc/{worker.pid}/cmdline").read_bytes(), "a worker's command line")
@@ -120,9 +120,9 @@ def test_workers_log_in_as_a_least_rights_user_and_the_password_shows_nowhere(
     for key in admin.scan_iter(count=1000):
         if admin.type(key) == "string":
             no_password_in(admin.get(key) or "", f"key {key}")
-    units = render_units(config, UnitLayout(workers={"generate": ((0,),), "extract": ((0,),)}),
+    units = render_units(config.run, config.broker, UnitLayout(workers={"generate": ((0,),), "extract": ((0,),)}),
                          InstallSettings(config_path=Path(config.source)))
-    no_password_in("".join(units.values()) + env_file_text(config), "the systemd units")
+    no_password_in("".join(units.values()) + env_file_text(config.broker, config.storage), "the systemd units")
     no_password_in((server.directory / "redis.log").read_text(), "the broker's log")
 
     # Nothing the workers, the producer, status or Flower sent was refused to the worker user.

@@ -1,4 +1,4 @@
-"""Staging: read datasets into samples (valid, distinct, thinking decided, fitting the context) and count
+"""Prompt staging: read datasets into samples (valid, distinct, thinking decided, fitting the context) and count
 what was left out. Pure: it knows nothing of queues; the producer (dflash_queue.producer) stages shards with it
 and sends them.
 """
@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import cast
 
 from dflash_queue.config import Config
+from dflash_queue.data.config import DatasetConfig
 from dflash_queue.data.length import TOO_LONG, LengthFilter
 from dflash_queue.data.preparation import Preparation, prepared_chunks
 from dflash_queue.data.problems import BadRecord, ProblemLog
 from dflash_queue.data.samples import EncodedSample, Sample
+from dflash_queue.engines.config import ModelConfig
 
 # Automatic staging processes (`staging_processes`): input files this large (compressed or not), on this many
 # cores, are prepared by a pool of processes.
@@ -95,7 +97,8 @@ class EnqueueReport:
 
 
 def iter_samples(
-    config: Config,
+    dataset: DatasetConfig,
+    model: ModelConfig,
     paths: Iterable[str | Path],
     report: EnqueueReport,
     length_filter: LengthFilter | None = None,
@@ -104,12 +107,13 @@ def iter_samples(
 ) -> Iterator[Sample]:
     """Valid, de-duplicated samples with their thinking decision that fit the context; everything else counted.
     `processes`: how many processes prepare the records (default: `staging_processes`)."""
-    for item in _admitted(config, list(paths), report, length_filter, processes, encoded=False):
+    for item in _admitted(dataset, model, list(paths), report, length_filter, processes, encoded=False):
         yield cast(Sample, item)
 
 
 def iter_encoded(
-    config: Config,
+    dataset: DatasetConfig,
+    model: ModelConfig,
     paths: Iterable[str | Path],
     report: EnqueueReport,
     length_filter: LengthFilter | None = None,
@@ -118,12 +122,13 @@ def iter_encoded(
 ) -> Iterator[EncodedSample]:
     """What `iter_samples` yields, each sample's prompt-shard record encoded where it was parsed: with a pool,
     the calling process is left to remove duplicates and count."""
-    for item in _admitted(config, list(paths), report, length_filter, processes, encoded=True):
+    for item in _admitted(dataset, model, list(paths), report, length_filter, processes, encoded=True):
         yield cast(EncodedSample, item)
 
 
 def _admitted(
-    config: Config,
+    dataset: DatasetConfig,
+    model: ModelConfig,
     paths: list[str | Path],
     report: EnqueueReport,
     length_filter: LengthFilter | None,
@@ -132,17 +137,17 @@ def _admitted(
     encoded: bool,
 ) -> Iterator[Sample | EncodedSample]:
     preparation = Preparation(
-        config.dataset.thinking,
-        config.dataset.regenerate,
-        partial(load_formatter, config.model.tokenizer_path) if length_filter is not None else None,
+        dataset.thinking,
+        dataset.regenerate,
+        partial(load_formatter, model.tokenizer_path) if length_filter is not None else None,
         encoded=encoded,
     )
     chunks = prepared_chunks(
         paths,
         preparation,
-        max_record_bytes=config.dataset.max_record_bytes,
+        max_record_bytes=dataset.max_record_bytes,
         formatter=length_filter.formatter if length_filter is not None else None,
-        processes=staging_processes(config, paths) if processes is None else processes,
+        processes=staging_processes(dataset, paths) if processes is None else processes,
     )
     seen: set[str] = set()
     for items, counts in chunks:
@@ -172,12 +177,12 @@ def _admitted(
             yield item
 
 
-def staging_processes(config: Config, paths: Iterable[str | Path], cores: int | None = None) -> int:
+def staging_processes(dataset: DatasetConfig, paths: Iterable[str | Path], cores: int | None = None) -> int:
     """`dataset.staging_processes`, or when 0: one per core but one (at most AUTO_MAX_PROCESSES) on machines of
     AUTO_MIN_CORES or more for input files of AUTO_MIN_BYTES or more, else 1. Starting the processes costs
     seconds, and on fewer cores one process that tokenizes on a second thread is as fast."""
-    if config.dataset.staging_processes:
-        return config.dataset.staging_processes
+    if dataset.staging_processes:
+        return dataset.staging_processes
     cores = cores or os.cpu_count() or 1
     size = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
     if cores < AUTO_MIN_CORES or size < AUTO_MIN_BYTES:
@@ -199,11 +204,11 @@ def growing_batches(items: Iterable, largest: int) -> Iterator[list]:
         yield batch
 
 
-def checked_formatter(config: Config):
-    """The target's chat template, refused (ConfigError, the message `doctor` gives) when it cannot do what
-    `dataset.thinking` asks: checked before anything is staged or sent."""
-    formatter = load_formatter(config.model.tokenizer_path)
-    formatter.require_thinking_policy(config.dataset.thinking, config.source)
+def checked_formatter(model: ModelConfig, dataset: DatasetConfig, source: str):
+    """The target's chat template, refused (ConfigError, the message `doctor` gives, naming the config file
+    `source`) when it cannot do what `dataset.thinking` asks: checked before anything is staged or sent."""
+    formatter = load_formatter(model.tokenizer_path)
+    formatter.require_thinking_policy(dataset.thinking, source)
     return formatter
 
 
@@ -217,7 +222,9 @@ def load_formatter(tokenizer_path: str):
 
 
 def build_length_filter(config: Config, formatter=None) -> LengthFilter | None:
+    """Takes the whole Config: the context length and generation budget span the dataset, model and generate
+    sections (Config.max_model_len, Config.generation_budget)."""
     if not config.dataset.length_filter:
         return None
-    formatter = formatter or checked_formatter(config)
+    formatter = formatter or checked_formatter(config.model, config.dataset, config.source)
     return LengthFilter(formatter, max_model_len=config.max_model_len(), budget=config.generation_budget)

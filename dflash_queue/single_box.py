@@ -17,6 +17,7 @@ from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.canaries import canary_notes
 from dflash_queue.lanes.registry import FINAL_LANE, LANES
 from dflash_queue.producer import Producer
+from dflash_queue.prompt_staging import EnqueueReport, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
@@ -26,7 +27,6 @@ from dflash_queue.run_lock import RunLock
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
-from dflash_queue.staging import EnqueueReport, checked_formatter
 
 
 class RunFailed(RuntimeError):
@@ -155,7 +155,7 @@ def run_single_box(
     console = console or Console(stderr=True)
     started = time.monotonic()
     # A thinking policy the template cannot honour stops the run before anything starts.
-    formatter = checked_formatter(config)
+    formatter = checked_formatter(config.model, config.dataset, config.source)
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         # One run per state directory, held until everything below has stopped (the broker last).
@@ -166,7 +166,7 @@ def run_single_box(
                 f"); stopped what it left running: {', '.join(lock.stopped_leftovers)}"
             )
         if not config.broker.url:
-            server = private_server(config).start()
+            server = private_server(config.run, config.broker).start()
             stack.callback(server.stop)
             assert server.process is not None
             lock.record_child("redis-server", server.process.pid)
