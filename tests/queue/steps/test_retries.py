@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import random
 
-from dflash_queue.queue.tasks import backoff_s
+from dflash_queue.queue.steps.retries import backoff_s
 
 
 def test_retry_delays_grow_exponentially_with_full_jitter_between_one_second_and_the_cap():
