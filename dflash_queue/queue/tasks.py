@@ -22,11 +22,12 @@ Celery's handlers: a task that fails for good is dead-lettered (`on_failure`); a
 The body (`run_lane_task`):
 
 5. fingerprint: a message made under other settings is refused;
-6. transient retries: storage outages and broken connections (in 7) become delayed retries;
-7. the lane, timed by the lane's busy clock;
-8. dead letters of the samples the lane left out;
-9. counting: the shard's counters added once, its maxima recorded;
-10. handing on: the shard's state moved on, its dead letters settled, a message to the next lane.
+6. transient retries: storage outages and broken connections (in 7 and 8) become delayed retries;
+7. already stored: a shard whose output the lane says is stored is not computed again (unless `redo`);
+8. the lane, timed with 7 by the lane's busy clock;
+9. dead letters of the samples the lane left out;
+10. counting: the shard's counters added once (none for a skip), its maxima recorded;
+11. handing on: the shard's state moved on, its dead letters settled, a message to the next lane.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary, lane_of_ta
 from dflash_queue.queue.app import app
 from dflash_queue.queue.busy import BusyClock
 from dflash_queue.queue.runtime import WorkerRuntime
+from dflash_queue.queue.steps.already_stored import run_unless_stored
 from dflash_queue.queue.steps.counting import ShardCounters
 from dflash_queue.queue.steps.dead_letters import DeadLettering
 from dflash_queue.queue.steps.deliveries import DeliveryCount
@@ -110,13 +112,13 @@ class LaneTask(Task):
 
 
 def run_lane_task(task: LaneTask, spec: LaneSpec, message: LaneMessage) -> LaneSummary:
-    """One shard through one lane (steps 5 to 10 above). A later epoch (a shard extracted again for training)
+    """One shard through one lane (steps 5 to 11 above). A later epoch (a shard extracted again for training)
     keeps its states apart from the run's."""
     rt = task.runtime
     shard_id = message.shard_id
     check_fingerprint(message, rt.fingerprint, rt.config.source)
     with transient_retries(task, rt.config.broker, rt.config.storage, shard_id), BUSY[spec.name].task() as timing:
-        summary = rt.lane(spec.name).run(shard_id, redo=message.redo, epoch=message.epoch)
+        summary = run_unless_stored(rt.lane(spec.name), message)
     task.dead_lettering(rt).samples_poisoned(
         task.name, message, summary.poisoned, deliveries=task.deliveries, worker=task.request.hostname or ""
     )
