@@ -155,21 +155,16 @@ class ExtractLane:
     def run(self, shard_id: str, *, redo: bool = False, epoch: int = 0) -> ExtractSummary:
         """Extract one shard for `epoch` and return once it is durably stored. Safe to call from several threads.
 
-        A stored shard is reused unless `redo` (a requeued dead letter: the shard is written again, whole); so is
-        one every consumer already took (storage.retention = "until-consumed" deleted it): it is not made again.
-        With a window (extract.max_unconsumed_shards) the shard first takes a place in it, or raises WindowFull
-        after a short wait.
+        The lane task asks `already_stored` first, unless `redo` (a requeued dead letter: the shard is written
+        again, whole). With a window (extract.max_unconsumed_shards) the shard first takes a place in it, or raises
+        WindowFull after a short wait; a place taken now is followed by a second look (`already_stored`).
         """
         out_key = epoch_shard_key(shard_id, epoch)
-        if not redo:
-            reused = self._stored(shard_id, out_key, epoch)
-            if reused is not None:
-                return reused
         if self._take_place(shard_id, epoch) and not redo:
             # Another delivery of this shard's task (a message delivered twice) may have stored it, and its
             # consumers taken it and given its place back, while this one waited: the place taken now would then
             # never be given back (a place lost to the window for good).
-            reused = self._stored(shard_id, out_key, epoch)
+            reused = self.already_stored(shard_id, epoch=epoch)
             if reused is not None:
                 self._give_back_place(shard_id, epoch)
                 return reused
@@ -259,7 +254,11 @@ class ExtractLane:
             canary_window=bool(canary and canary.window),
         )
 
-    def _stored(self, shard_id: str, out_key: str, epoch: int) -> ExtractSummary | None:
+    def already_stored(self, shard_id: str, *, epoch: int = 0) -> ExtractSummary | None:
+        """The summary, marked skipped, of a shard whose training file for `epoch` is stored, or was stored and
+        taken by every consumer (storage.retention = "until-consumed" deleted it and left a record): it is not made
+        again. None: neither."""
+        out_key = epoch_shard_key(shard_id, epoch)
         if self.storage.exists(out_key):
             source = open_source(self.storage, out_key)
             try:

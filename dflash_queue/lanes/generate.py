@@ -115,17 +115,20 @@ class GenerateLane:
             history=config.dataset.history,
         )
 
+    def already_stored(self, shard_id: str, *, epoch: int = 0) -> GenerateSummary | None:
+        """The stored completions file's summary, marked skipped; None when the shard has none."""
+        out_key = completions_key(_epoch_zero(shard_id, epoch))
+        if not self.storage.exists(out_key):
+            return None
+        return summarize(shard_id, decode_completions(self.storage.read_bytes(out_key), what=out_key), skipped=True)
+
     def run(self, shard_id: str, *, redo: bool = False, epoch: int = 0) -> GenerateSummary:
-        """Generate one shard's completions. A stored completions file is reused; with `redo` (a requeued dead
-        letter) only the samples it lacks are generated and added to it. Completions are made once, in epoch 0."""
-        if epoch:
-            raise ValueError(f"shard {shard_id}: completions are generated in epoch 0 only, not in epoch {epoch}")
-        out_key = completions_key(shard_id)
+        """Generate one shard's completions (the lane task asks `already_stored` first). With `redo` (a requeued
+        dead letter) a stored completions file is kept: only the samples it lacks are generated and added to it."""
+        out_key = completions_key(_epoch_zero(shard_id, epoch))
         existing: list[CompletionRecord] = []
-        if self.storage.exists(out_key):
+        if redo and self.storage.exists(out_key):
             existing = decode_completions(self.storage.read_bytes(out_key), what=out_key)
-            if not redo:
-                return summarize(shard_id, existing, skipped=True)
 
         in_key = prompts_key(shard_id)
         samples = decode_prompts(self.storage.read_bytes(in_key), what=in_key)
@@ -153,6 +156,13 @@ class GenerateLane:
         if self.outage_reporter is not None:
             self.outage_reporter.stop()
         self.engine.close()
+
+
+def _epoch_zero(shard_id: str, epoch: int) -> str:
+    """Completions are made once, in epoch 0."""
+    if epoch:
+        raise ValueError(f"shard {shard_id}: completions are generated in epoch 0 only, not in epoch {epoch}")
+    return shard_id
 
 
 def build_generate_lane(config: Config, storage: Storage | None = None) -> GenerateLane:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 
 class LaneSummary(Protocol):
-    """What a lane's `run(shard_id, redo=...)` returns, as the generic lane task uses it."""
+    """What a lane's `run(shard_id, redo=...)` and `already_stored(shard_id)` return, as the generic lane task uses
+    it."""
 
     skipped: bool  # the output was already stored: nothing was computed, nothing is counted
     poisoned: tuple[tuple[str, BaseException], ...]  # samples left out, each to a dead letter
@@ -37,7 +38,16 @@ class LaneSummary(Protocol):
 
 
 class ResidentLane(Protocol):
-    """A lane's worker-side object: loaded once per worker process, then `run` per shard."""
+    """A lane's worker-side object: loaded once per worker process, then `run` per shard.
+
+    The lane task asks `already_stored` first (unless `redo`), for every lane, and runs the lane only when it
+    answers None (queue/steps/already_stored.py): `run` computes and stores the shard's output.
+    """
+
+    def already_stored(self, shard_id: str, *, epoch: int = 0) -> LaneSummary | None:
+        """The summary of a skip (`skipped`: nothing computed, nothing counted) when the shard's output for `epoch`
+        is already stored; None when the lane must compute it."""
+        ...
 
     def run(self, shard_id: str, *, redo: bool = False, epoch: int = 0) -> LaneSummary: ...
 

@@ -19,7 +19,7 @@ messages are acked only then); messages it held but had not started go back to t
 `worker_shutdown` releases the engines: vLLM's processes are told to exit and are killed if they outlive
 `generate.vllm.shutdown_timeout_s`, so none outlives the worker. A worker whose engine died stops the same
 way, hands its tasks back to the queue and exits with a failure code (EXIT_ENGINE_LOST, 70: restarted; see
-`LaneTask`). So does a worker whose engine failed its state checks on `extract.stop_after_failed_checks` shards in
+queue/steps/hand_back.py). So does a worker whose engine failed its state checks on `extract.stop_after_failed_checks` shards in
 a row, with EXIT_FAILING_CHECKS (78), which the shipped systemd units do not restart on: the shards wait in the
 queue for a healthy worker, and the run's `status` shows the stop and its reason (queue/check_streak.py). A
 worker clears its node's stop record when it starts.

@@ -259,10 +259,10 @@ def test_states_handed_over_for_other_tokens_fail_the_task(config, extractor):
 
 def test_a_full_transfer_directory_fails_the_task_for_a_retry_and_the_retry_stores_the_shard(config, extractor):
     """The connector's write of one sample's states fails as on a full tmpfs (ENOSPC, first write only): the task
-    fails with a transient error (the queue retries it and counts the retry, queue/tasks.py), nothing is stored,
+    fails with a transient error (the queue retries it and counts the retry, queue/steps/retries.py), nothing is stored,
     and the next run of the task stores the whole shard."""
     from dflash_queue.errors import StatesHandOverFailed, TransientIOError
-    from dflash_queue.queue.tasks import TRANSIENT_ERRORS
+    from dflash_queue.queue.steps.retries import TRANSIENT_ERRORS
 
     write_completions(config, "vllm-nospace", {**NORMAL, "fault-nospace": 80})
     with pytest.raises(StatesHandOverFailed, match=r"could not write states into \S+: writing \S+ failed: OSError: "

@@ -136,13 +136,15 @@ def test_the_window_holds_extraction_back_and_a_consumed_shard_is_never_made_aga
     assert extractor.calls == 1 and not storage.exists(shard_key(second))
     assert consumption.waiting()["shard"] == second
 
-    # Epoch 1's copy of the first shard was consumed and deleted: a late re-delivery does not make it again.
+    # Epoch 1's copy of the first shard was consumed and deleted: a late re-delivery does not make it again (the
+    # lane task asks the lane before it runs it).
     with storage.local_copy(shard_key(first)) as path:
         index = ShardIndex.load(open_source(LocalStorage(path.parent), path.name))
     record = ConsumedShard.of(index, first, 1, ["trainer"])
     storage.write_bytes(consumed_key(first, 1), record.to_json())
-    summary = lane.run(first, epoch=1)
-    assert summary.skipped and summary.num_samples == 4 and extractor.calls == 1
+    summary = lane.already_stored(first, epoch=1)
+    assert summary is not None and summary.skipped and summary.num_samples == 4 and extractor.calls == 1
+    assert summary.num_tokens == index.num_tokens and summary.num_bytes == 0
     assert not storage.exists(epoch_shard_key(first, 1))
 
     consumption.give_back_place(0, first)
@@ -189,9 +191,10 @@ def live_window_config(make_config, s3_tables):
 def test_a_second_delivery_after_the_shard_was_consumed_takes_no_place_for_good(
     completed_on_s3, make_config, s3_tables, redis_url
 ):
-    """A message delivered twice: the second delivery looks at storage (nothing yet), then waits; meanwhile the
-    first stores the shard, the consumer takes it and its place is given back. The second must not take a place
-    then: nobody would ever give it back, and a window of the smallest size would stop extraction for good."""
+    """A message delivered twice: the second delivery's task looked at storage (nothing yet) and ran the lane, which
+    waits for a place; meanwhile the first stores the shard, the consumer takes it and its place is given back. The
+    second must not take a place then: nobody would ever give it back, and a window of the smallest size would stop
+    extraction for good."""
     from dflash_queue.live import LiveShards
 
     _, storage, (first, _, _) = completed_on_s3
@@ -206,7 +209,8 @@ def test_a_second_delivery_after_the_shard_was_consumed_takes_no_place_for_good(
 
     with ThreadPoolExecutor(1) as pool:
         late = pool.submit(second_delivery.run, first)
-        assert gated.entered.wait(60)  # it looked at storage: nothing there yet
+        assert second_delivery.already_stored(first) is None  # the task's look: nothing there yet
+        assert gated.entered.wait(60)
         assert not first_delivery.run(first).skipped
         live.acknowledge(0, first)  # consumed: the file deleted, its place given back
         assert window.window_fill() == 0 and not storage.exists(shard_key(first))

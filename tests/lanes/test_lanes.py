@@ -32,21 +32,29 @@ def staged(make_config):
 def test_lanes_turn_a_prompt_shard_into_a_training_shard_once(staged):
     config, storage, shard_id = staged
     generate = GenerateLane(config, build_generate_engine(config), storage)
+    assert generate.already_stored(shard_id) is None
     first = generate.run(shard_id)
     assert not first.skipped and first.num_samples == 5 and first.completion_tokens > 0
     stored = storage.read_bytes(completions_key(shard_id))
-    again = generate.run(shard_id)
-    assert again.skipped and again.completion_tokens == first.completion_tokens
+    # What a second delivery of the task gets (the lane task asks before it runs the lane): nothing written.
+    again = generate.already_stored(shard_id)
+    assert again is not None and again.skipped and again.completion_tokens == first.completion_tokens
+    assert again.num_samples == first.num_samples and again.kept == first.kept
     assert storage.read_bytes(completions_key(shard_id)) == stored
+    with pytest.raises(ValueError, match="completions are generated in epoch 0 only, not in epoch 1"):
+        generate.already_stored(shard_id, epoch=1)
 
     extract = ExtractLane(config, build_extractor(config), storage)
+    assert extract.already_stored(shard_id) is None
     summary = extract.run(shard_id)
     assert not summary.skipped and summary.num_samples == 5
     assert summary.num_tokens == first.prompt_tokens + first.completion_tokens
     with storage.local_copy(shard_key(shard_id)) as path:
         assert len(TrainingShard(path)) == 5
         mtime = path.stat().st_mtime_ns
-    repeat = extract.run(shard_id)
-    assert repeat.skipped and repeat.num_tokens == summary.num_tokens
+    repeat = extract.already_stored(shard_id)
+    assert repeat is not None and repeat.skipped and repeat.num_tokens == summary.num_tokens
+    assert (repeat.num_samples, repeat.num_bytes) == (summary.num_samples, summary.num_bytes)
+    assert extract.already_stored(shard_id, epoch=1) is None  # another epoch's file
     with storage.local_copy(shard_key(shard_id)) as path:
         assert path.stat().st_mtime_ns == mtime
