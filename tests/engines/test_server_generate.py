@@ -5,6 +5,7 @@ the model's own forward, a server killed and restarted mid-job)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from dflash_queue import faults
 from dflash_queue.config import Config, load_config
 from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
@@ -315,7 +317,9 @@ def test_a_server_killed_and_restarted_mid_job_loses_and_duplicates_nothing(
 ):
     config = server_job_config(make_config, [server.url])
     dataset = first_lines(SAMPLE, JOB_SAMPLES, tmp_path / "prompts.jsonl")
-    generate = start_worker(config, "generate")
+    # Each task waits 3 s before it generates (two at a time): once a shard is generated, the third one's requests
+    # are seconds away, so the kill lands mid-job even when the test process is slow to see the first shard.
+    generate = start_worker(config, "generate", env={faults.ENV: json.dumps({"task_delay_s": 3})})
     ledger = Ledger.from_url(redis_url, config.run.name)
     report = Producer(config, ledger).enqueue([dataset])
     assert report.enqueued == 3
@@ -323,7 +327,7 @@ def test_a_server_killed_and_restarted_mid_job_loses_and_duplicates_nothing(
         lambda: any(s == GENERATED for s in ledger.states(report.shard_ids).values()), 300, "a shard generated",
         [generate], poll_s=0.05,
     )
-    server.kill()  # mid-job: the other shards' requests are at the server or on their way
+    server.kill()  # mid-job: the third shard's requests are on their way
     status = wait_until(
         lambda: (s := collect_status(config, workers=WorkerView())).servers_down and s, 60,
         "status showing the worker waiting for its server", [generate],
