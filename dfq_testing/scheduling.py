@@ -1,25 +1,32 @@
-"""How the suite's tests are spread over pytest-xdist's processes (`-n 2 --dist loadgroup`, pyproject.toml).
+"""How the suite's tests are spread over pytest-xdist's processes (`-n 2`, pyproject.toml's addopts).
 
-A module's tests stay in one process, so its module-scoped engines start once; modules that need one of the
-session's expensive servers share a group, so the servers start once. A module may split itself by one of its
-parameters (`XDIST_SPLIT_BY = "name"`: one group per model family) where each value sets up its own engines
-anyway. The longest groups are sent first, so that no long one starts last and runs alone: xdist hands out groups
-in the order they come (`--no-loadscope-reorder`), to whichever process is free.
+A module's tests stay in one process, so its module-scoped engines and servers start once. The modules that run
+one model family per parameter (`SPLIT_BY_FAMILY`: the family is the first part of the test's parameter id) are
+split by family, since each family starts its own models anyway. The longest groups go first (`LONGEST_FIRST`),
+so that no long one starts last and runs alone: groups are handed out in collection order, to whichever process
+is free.
+
+The groups are computed from node ids in the controller (`GroupScheduling`), which does not collect: xdist's
+own `xdist_group` marks rename node ids, which pytest 9.2's nodes no longer allow.
 """
 
 from __future__ import annotations
 
 import pytest
+from xdist.scheduler import LoadScopeScheduling
 
-# Session fixtures whose users share one group (started once per process that needs them).
-SHARED_FIXTURES = ("vllm_servers",)
+SPLIT_BY_FAMILY = (
+    "tests/test_conformance.py",
+    "tests/test_end_to_end_vllm_extract.py",
+    "tests/engines/test_vllm_extract_bfloat16.py",
+)
 # The longest modules, longest first (wall time on the 2-core dev machine, 2026-12-05); the rest follow in
 # collection order.
 LONGEST_FIRST = (
     "tests/test_conformance.py",
     "tests/test_end_to_end_vllm_extract.py",
     "tests/engines/test_vllm_extract_bfloat16.py",
-    "vllm_servers",
+    "tests/engines/test_server_generate.py",
     "tests/test_end_to_end_vllm.py",
     "tests/tools/test_gpu_check.py",
     "tests/cli/test_common.py",
@@ -36,31 +43,26 @@ LONGEST_FIRST = (
 )
 
 
-def group_of(item: pytest.Item) -> str:
-    for fixture in SHARED_FIXTURES:
-        if fixture in getattr(item, "fixturenames", ()):
-            return fixture
-    module = item.nodeid.split("::", 1)[0]
-    split_by = getattr(getattr(item, "module", None), "XDIST_SPLIT_BY", None)
-    callspec = getattr(item, "callspec", None)
-    if split_by and callspec is not None and split_by in callspec.params:
-        return f"{module}[{callspec.params[split_by]}]"
+def group_of(nodeid: str) -> str:
+    """The group a test runs in: its module, or its module and model family for the modules split by family."""
+    module, _, rest = nodeid.partition("::")
+    if module in SPLIT_BY_FAMILY and rest.endswith("]") and "[" in rest:
+        family = rest[rest.index("[") + 1 : -1].split("-", 1)[0]
+        return f"{module}[{family}]"
     return module
 
 
-def _rank(group: str) -> int:
-    base = group.split("[", 1)[0]
-    return LONGEST_FIRST.index(base) if base in LONGEST_FIRST else len(LONGEST_FIRST)
+def _rank(module: str) -> int:
+    return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
-def group_and_order(items: list[pytest.Item]) -> None:
-    """Mark each test with its xdist group and put the groups in the order they should be handed out (stable:
-    within a group, and among the rest, the collection order stays)."""
-    groups = {id(item): group_of(item) for item in items}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(groups[id(item)]))
-    first_seen: dict[str, int] = {}
-    for position, item in enumerate(items):
-        first_seen.setdefault(groups[id(item)], position)
-    items.sort(key=lambda item: (_rank(groups[id(item)]), first_seen[groups[id(item)]]))
+def order_longest_first(items: list[pytest.Item]) -> None:
+    """The longest modules first, each module's tests together, the rest in collection order (a stable sort)."""
+    items.sort(key=lambda item: _rank(item.nodeid.partition("::")[0]))
 
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's module-scope scheduling with `group_of` as the scope."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group_of(nodeid)

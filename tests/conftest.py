@@ -18,7 +18,7 @@ from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
-from dfq_testing.scheduling import group_and_order
+from dfq_testing.scheduling import GroupScheduling, order_longest_first
 from dfq_testing.servers import VllmServers
 from dfq_testing.tiny_model import build_tiny_model
 
@@ -32,7 +32,11 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    group_and_order(items)
+    order_longest_first(items)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
+    return GroupScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -64,8 +64,6 @@ BFLOAT16_STEP = torch.finfo(torch.bfloat16).eps
 BFLOAT16_WHOLE = 4 * BFLOAT16_STEP
 BFLOAT16_TOKEN = 16 * BFLOAT16_STEP
 pytestmark = pytest.mark.slow
-# One xdist group per family (dfq_testing/scheduling.py): each family generates and loads its own models.
-XDIST_SPLIT_BY = "name"
 
 
 def family_config(make_config, path: Path, name: str, hidden_dtype: str, *, compute: str = "float32", **extract):

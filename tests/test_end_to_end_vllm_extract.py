@@ -45,8 +45,6 @@ from dfq_testing.references import assert_each_sample_exact, reference_model
 
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-# One xdist group per family (dfq_testing/scheduling.py): each family's run is a job of its own.
-XDIST_SPLIT_BY = "name"
 
 VLLM_FAMILIES = ["qwen3", "llama", "qwen3_moe", "mistral", "gpt_oss"]
 SAMPLES = 12

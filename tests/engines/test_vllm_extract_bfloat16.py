@@ -37,8 +37,6 @@ from dflash_queue.storage import open_storage
 from dfq_testing.configs import tiny_config_tables, write_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-# One xdist group per family (dfq_testing/scheduling.py): each family starts its own engine.
-XDIST_SPLIT_BY = "engine"
 
 BF16 = torch.bfloat16
 STEP_TOKENS = 64  # sequences longer than this are prefilled over several engine steps
