@@ -84,7 +84,7 @@ def plan(
     from dflash_queue.ops.shard_sizing import size_shards
 
     config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
-    tensor_parallel = vllm_tensor_parallel(config)
+    tensor_parallel = vllm_tensor_parallel(config.generate, config.extract)
     per_worker = {lane: gpus_per_worker or tensor_parallel.get(lane, 1) for lane in LANES}
     gpus = gpus or max(per_worker.values())
     for lane, size in per_worker.items():
