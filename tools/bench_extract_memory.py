@@ -124,7 +124,10 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
     before = rss()
     with PeakRss() as peak:
         summary = lane.run("measured")
-    sizing = size_shards(config, len(extractor.captured), extractor.hidden_size, tokens)
+    sizing = size_shards(
+        config.extract, config.dataset, config.storage.uploader, config.model,
+        num_layers=len(extractor.captured), hidden_size=extractor.hidden_size, tokens_per_sample=tokens,
+    )
     activations = extractor.activation_bytes(token_budget)
     lane.close()
     return {

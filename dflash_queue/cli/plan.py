@@ -143,7 +143,13 @@ def plan(
             subsets=list(subset),
             thinking_policy=config.dataset.thinking,
             shards=size_shards(
-                config, shape.num_layers_kept, shape.hidden_size, stats.mean_prompt_tokens + output
+                config.extract,
+                config.dataset,
+                config.storage.uploader,
+                config.model,
+                num_layers=shape.num_layers_kept,
+                hidden_size=shape.hidden_size,
+                tokens_per_sample=stats.mean_prompt_tokens + output,
             ),
             extract_memory=memory,
         )
