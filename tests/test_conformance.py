@@ -27,7 +27,7 @@ from dflash_queue.config import Config
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -104,7 +104,7 @@ def stage_generated(name: str, path: Path, make_config, generated: dict) -> str:
         return shard_id
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:SAMPLES]
     shard_id = stage_samples(storage, samples)
-    lane = GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     lane.run(shard_id)
     lane.close()
     completions = storage.read_bytes(completions_key(shard_id))

@@ -14,7 +14,7 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes import extract as extract_lane
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key, shard_key
@@ -61,7 +61,7 @@ def completed_on_s3(make_config, s3_tables):
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20)
                if isinstance(s, Sample)][:12]
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     shard_ids = []
     for begin in range(0, 12, 4):
         shard = samples[begin : begin + 4]

@@ -13,7 +13,7 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.state_checks import CanaryMismatch, ImplausibleHiddenStates
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
@@ -42,7 +42,7 @@ def generated(tiny_family, make_config):
         shard_id = prompt_shard_id(samples)
         if not storage.exists(prompts_key(shard_id)):
             storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
-            lane = GenerateLane(config, build_generate_engine(config), storage)
+            lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
             lane.run(shard_id)
             lane.close()
         return config, storage, shard_id

@@ -20,7 +20,7 @@ from dflash_queue.engines.base import CapturedStates
 from dflash_queue.engines.passes import summarize, token_stats
 from dflash_queue.errors import NonFiniteHiddenStates, NonFiniteRowRefused, ShardFormatError
 from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
@@ -42,7 +42,7 @@ def generated(make_config):
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:4]
     shard_id = prompt_shard_id(samples)
     storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     generate.run(shard_id)
     generate.close()
     records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
