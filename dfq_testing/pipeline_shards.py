@@ -14,7 +14,7 @@ from typing import Any
 from dflash_queue.config import Config, load_config
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.keys import COMPLETIONS, PROMPTS, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
@@ -73,7 +73,7 @@ def produce_training_shards(
         if target.root != storage.root:
             for folder in (PROMPTS, COMPLETIONS):
                 shutil.copytree(storage.root / folder, target.root / folder, dirs_exist_ok=True)
-        lane = ExtractLane(config, extractor, target)
+        lane = ExtractLane(extract_lane_settings(config), extractor, target)
         for shard_id in shard_ids:
             lane.run(shard_id)
     extractor.close()

@@ -94,7 +94,7 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
     import torch
 
     from dflash_queue.config import load_config
-    from dflash_queue.lanes.extract import ExtractLane, build_extractor
+    from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
     from dflash_queue.ops.shard_sizing import size_shards
     from dflash_queue.shards.completions import CompletionRecord, encode_completions
     from dflash_queue.shards.keys import completions_key
@@ -118,7 +118,7 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
         ]
         storage.write_bytes(completions_key(shard), encode_completions(records))
     extractor = build_extractor(config)
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     lane.run("warmup")
     gc.collect()
     before = rss()

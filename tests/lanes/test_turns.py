@@ -10,7 +10,7 @@ import pytest
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.lanes.turns import split_turns
 from dflash_queue.shards.completions import decode_completions
@@ -79,7 +79,7 @@ def test_every_assistant_turn_regenerated_on_the_exact_ids(make_config):
     turns = sum(1 + len(r.earlier_turns) for r in records.values())
     assert counters.get("finish_stop", 0) + counters.get("finish_length", 0) == turns > len(records)
 
-    extract = ExtractLane(config, build_extractor(config), storage)
+    extract = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     extract.run(shard_id)
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)
@@ -151,7 +151,7 @@ def test_thinking_that_never_closes_is_dropped_and_still_accounted_for(make_conf
         assert "<think>" not in record.text  # the block was opened by the prompt, not the completion
     assert summary.gate["gate_drop"] == len(dropped) == summary.gate["gate_unclosed_thinking_drop"]
 
-    ExtractLane(config, build_extractor(config), storage).run(shard_id)
+    ExtractLane(extract_lane_settings(config), build_extractor(config), storage).run(shard_id)
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)
         assert len(shard) == len(records) - len(dropped)
@@ -355,7 +355,7 @@ def test_a_sample_served_turn_by_turn_is_extracted_as_one_row_per_turn_and_count
     records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
     expected = [(r.id, s) for r in records if r.kept for s in r.training_sequences()]
     assert any(r.served_turns for r in records) and len(expected) > len(records)
-    summary = ExtractLane(config, build_extractor(config), storage).run(shard_id)
+    summary = ExtractLane(extract_lane_settings(config), build_extractor(config), storage).run(shard_id)
     assert summary.num_samples == sum(1 for r in records if r.kept)
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)
