@@ -14,8 +14,8 @@ from typing import Any
 from dflash_queue.config import Config, load_config
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.keys import COMPLETIONS, PROMPTS, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import LocalStorage
@@ -62,7 +62,7 @@ def produce_training_shards(
         chunk = prompts[start : start + shard_size]
         shard_ids.append(prompt_shard_id(chunk))
         storage.write_bytes(prompts_key(shard_ids[-1]), encode_prompts(chunk))
-    generate = GenerateLane(first, build_generate_engine(first), storage)
+    generate = GenerateLane(generate_lane_settings(first), build_generate_engine(first), storage)
     for shard_id in shard_ids:
         generate.run(shard_id)
     generate.close()
@@ -73,7 +73,7 @@ def produce_training_shards(
         if target.root != storage.root:
             for folder in (PROMPTS, COMPLETIONS):
                 shutil.copytree(storage.root / folder, target.root / folder, dirs_exist_ok=True)
-        lane = ExtractLane(config, extractor, target)
+        lane = ExtractLane(extract_lane_settings(config), extractor, target)
         for shard_id in shard_ids:
             lane.run(shard_id)
     extractor.close()

@@ -26,8 +26,8 @@ import torch
 from dflash_queue.config import Config
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -104,7 +104,7 @@ def stage_generated(name: str, path: Path, make_config, generated: dict) -> str:
         return shard_id
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:SAMPLES]
     shard_id = stage_samples(storage, samples)
-    lane = GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     lane.run(shard_id)
     lane.close()
     completions = storage.read_bytes(completions_key(shard_id))
@@ -133,7 +133,7 @@ def extract(config: Config, storage: Storage, shard_id: str, family: Family) -> 
     extractor = build_extractor(config)
     assert extractor.mode == family.mode
     log = PassLog(extractor.model)
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     summary = lane.run(shard_id)
     lane.close()
     assert summary.num_samples == SAMPLES
@@ -254,7 +254,7 @@ def test_the_bfloat16_check_fails_on_sequences_that_see_each_other(
     with stored_shard(storage, shard_id, family) as (shard, meta):
         assert beyond_bfloat16_rounding(bfloat16_errors(shard, meta, family, path)) == {}
     inject_faults({"extract_break_packing": True})
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     lane.run(shard_id, redo=True)  # the same passes, their sequences seeing each other
     lane.close()
     with stored_shard(storage, shard_id, family) as (shard, meta):

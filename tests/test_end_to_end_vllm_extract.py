@@ -32,7 +32,7 @@ import torch
 
 from dflash_queue.config import load_config
 from dflash_queue.engines.state_checks import compare_states
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
 from dflash_queue.shards.keys import shard_key, stored_shard_ids
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
@@ -130,7 +130,7 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
     theirs = tmp_path / "transformers"
     shutil.copytree(tmp_path / "out" / "completions", theirs / "completions")
     config = load_config(run_config(tmp_path, model_path, name, "transformers", theirs), env={})
-    lane = ExtractLane(config, build_extractor(config), open_storage(config.storage))
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), open_storage(config.storage))
     try:
         for shard_id in sorted(stored_shard_ids(open_storage(str(tmp_path / "out")))):
             lane.run(shard_id)

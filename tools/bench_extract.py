@@ -148,7 +148,7 @@ def run_child(args: argparse.Namespace) -> int:
     from dflash_queue.config import load_config
     from dflash_queue.engines.base import ExtractionRequest
     from dflash_queue.engines.decoder import decoder_layers
-    from dflash_queue.lanes.extract import ExtractLane, build_extractor
+    from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
     from dflash_queue.lanes.registry import EXTRACT
     from dflash_queue.shards.completions import decode_completions
     from dflash_queue.shards.keys import completions_key
@@ -162,7 +162,7 @@ def run_child(args: argparse.Namespace) -> int:
     extractor = build_extractor(config)
     load_s = time.perf_counter() - started
     model = getattr(extractor, "model", None) if engine == "transformers" else None
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     cuda = config.model.device == "cuda"
     try:
         lane.run(WARMUP)

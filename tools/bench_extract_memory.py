@@ -94,7 +94,7 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
     import torch
 
     from dflash_queue.config import load_config
-    from dflash_queue.lanes.extract import ExtractLane, build_extractor
+    from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
     from dflash_queue.ops.shard_sizing import size_shards
     from dflash_queue.shards.completions import CompletionRecord, encode_completions
     from dflash_queue.shards.keys import completions_key
@@ -118,13 +118,16 @@ def measure_one(model: Path, work: Path, samples: int, tokens: int, token_budget
         ]
         storage.write_bytes(completions_key(shard), encode_completions(records))
     extractor = build_extractor(config)
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     lane.run("warmup")
     gc.collect()
     before = rss()
     with PeakRss() as peak:
         summary = lane.run("measured")
-    sizing = size_shards(config, len(extractor.captured), extractor.hidden_size, tokens)
+    sizing = size_shards(
+        config.extract, config.dataset, config.storage.uploader, config.model,
+        num_layers=len(extractor.captured), hidden_size=extractor.hidden_size, tokens_per_sample=tokens,
+    )
     activations = extractor.activation_bytes(token_budget)
     lane.close()
     return {

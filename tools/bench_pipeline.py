@@ -57,8 +57,8 @@ from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
-from dflash_queue.lanes.extract import ExtractLane, build_extractor  # noqa: E402
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine  # noqa: E402
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings  # noqa: E402
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings  # noqa: E402
 from dflash_queue.lanes.registry import EXTRACT, GENERATE  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
@@ -319,7 +319,7 @@ class DirectGenerate:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.storage = open_storage(config.storage.url)
-        self.lane = GenerateLane(config, build_generate_engine(config), self.storage)
+        self.lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), self.storage)
 
     def run(self, dataset: Path, pipe: TextIO) -> dict:
         samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
@@ -357,7 +357,7 @@ class DirectExtract:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.storage = open_storage(config.storage.url)
-        self.lane = ExtractLane(config, build_extractor(config), self.storage)
+        self.lane = ExtractLane(extract_lane_settings(config), build_extractor(config), self.storage)
 
     def run(self, _dataset: Path, pipe: TextIO) -> dict:
         def take() -> str | None:

@@ -32,7 +32,7 @@ from dflash_queue.broker.redis_server import RedisServer  # noqa: E402
 from dflash_queue.config import Config, S3Config, load_config  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine  # noqa: E402
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings  # noqa: E402
 from dflash_queue.lanes.registry import EXTRACT  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
 from dflash_queue.queue.launcher import WorkerProcess  # noqa: E402
@@ -111,7 +111,7 @@ def bench_uploads(server: LoopbackS3Process, args: argparse.Namespace, tmp: Path
 
 def generate_completions(config: Config, samples: list[Sample], shard_size: int) -> list[tuple[str, int]]:
     storage = open_storage(config.storage)
-    lane = GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     shards = []
     for begin in range(0, len(samples), shard_size):
         shard = samples[begin : begin + shard_size]

@@ -109,7 +109,8 @@ def systemd_install(
     try:
         report = install_units(
             config.run, config.broker, config.storage, layout, settings, dest,
-            tensor_parallel=vllm_tensor_parallel(config), node_gpus=node_gpus, force_env=force_env,
+            tensor_parallel=vllm_tensor_parallel(config.generate, config.extract), node_gpus=node_gpus,
+            force_env=force_env,
             root=root.resolve() if root else None,
         )
     except ValueError as exc:

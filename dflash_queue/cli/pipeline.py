@@ -94,7 +94,7 @@ def worker(
             group = parse_gpu_group(gpus)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint="--gpus") from None
-        tensor_parallel = vllm_tensor_parallel(config).get(lane)
+        tensor_parallel = vllm_tensor_parallel(config.generate, config.extract).get(lane)
         error = group_size_error(lane, group, tensor_parallel) if tensor_parallel is not None else None
         error = error or missing_gpus_error(group, node_gpus())
         if error:

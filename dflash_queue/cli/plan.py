@@ -84,7 +84,7 @@ def plan(
     from dflash_queue.ops.shard_sizing import size_shards
 
     config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
-    tensor_parallel = vllm_tensor_parallel(config)
+    tensor_parallel = vllm_tensor_parallel(config.generate, config.extract)
     per_worker = {lane: gpus_per_worker or tensor_parallel.get(lane, 1) for lane in LANES}
     gpus = gpus or max(per_worker.values())
     for lane, size in per_worker.items():
@@ -143,7 +143,13 @@ def plan(
             subsets=list(subset),
             thinking_policy=config.dataset.thinking,
             shards=size_shards(
-                config, shape.num_layers_kept, shape.hidden_size, stats.mean_prompt_tokens + output
+                config.extract,
+                config.dataset,
+                config.storage.uploader,
+                config.model,
+                num_layers=shape.num_layers_kept,
+                hidden_size=shape.hidden_size,
+                tokens_per_sample=stats.mean_prompt_tokens + output,
             ),
             extract_memory=memory,
         )

@@ -64,7 +64,7 @@ def run_doctor(
     checks += model_checks
     if tokenizer is not None:
         checks.append(check_thinking_template(tokenizer, config.dataset.thinking))
-    tensor_parallel = vllm_tensor_parallel(config)
+    tensor_parallel = vllm_tensor_parallel(config.generate, config.extract)
     checks += check_worker_settings(config)
     checks += check_versions(vllm_needed_by=list(tensor_parallel))
     if config.extract.engine == "vllm":

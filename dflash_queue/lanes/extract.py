@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
 
 import safetensors
 import torch
@@ -37,12 +39,13 @@ import transformers
 
 import dflash_queue
 from dflash_queue import faults
-from dflash_queue.config import Config
+from dflash_queue.config import BrokerConfig, Config
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
 from dflash_queue.engines.vllm_support import VllmExtractSettings
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
+from dflash_queue.lanes.config import ExtractConfig
 from dflash_queue.lanes.host_memory import fix_mmap_threshold
 from dflash_queue.lanes.isolation import run_isolating_streamed
 from dflash_queue.runstate.shard_states import CANARY_ERROR
@@ -56,6 +59,7 @@ from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.shards.training import ShardInfo
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter
 from dflash_queue.storage import Storage, open_storage
+from dflash_queue.storage.config import StorageConfig
 from dflash_queue.storage.uploader import ShardUploader
 
 # How long a task waits for a place in the window before it goes back to the queue (well within any visibility
@@ -123,29 +127,48 @@ def versions(engine: str = "transformers") -> dict[str, str]:
     return found
 
 
+@dataclass(frozen=True)
+class ExtractLaneSettings:
+    """What the extract lane reads of the configuration (`extract_lane_settings` takes it from a whole Config)."""
+
+    extract: ExtractConfig
+    storage: StorageConfig  # opened when the lane is handed no storage; its uploader and retention
+    staging_dir: Path  # where finished shards are staged before they are stored
+    # The window's state in the run's broker, reached when a window is first used (the broker's password is read
+    # then, as before any connection), and the broker's visibility timeout, which bounds a wait for a place.
+    open_window: Callable[[], ShardWindow]
+    visibility_timeout_s: float
+    # Recorded in every shard: the target's name, the run's fingerprint, the vLLM engine_args that change outputs.
+    target_model: str
+    fingerprint: str
+    engine_args: dict[str, dict[str, Any]]
+
+
 class ExtractLane:
     def __init__(
         self,
-        config: Config,
+        settings: ExtractLaneSettings,
         extractor: ExtractEngine,
         storage: Storage | None = None,
         uploader: ShardUploader | None = None,
     ) -> None:
-        self.config = config
+        self.settings = settings
         self.extractor = extractor
         self._owns_storage = storage is None
-        self.storage = storage or open_storage(config.storage)
-        self.uploader = uploader or ShardUploader.from_config(config, self.storage)
+        self.storage = storage or open_storage(settings.storage)
+        self.uploader = uploader or ShardUploader.from_settings(
+            settings.storage.uploader, settings.staging_dir, self.storage
+        )
         self.info = ShardInfo(
-            target_model=config.model.display_name,
+            target_model=settings.target_model,
             layer_ids=tuple(layer for layer, _ in extractor.captured),
             layer_states=tuple(kind for _, kind in extractor.captured),
             extraction=extractor.mode,
             num_model_layers=extractor.num_model_layers,
             hidden_size=extractor.hidden_size,
-            dtype=config.extract.hidden_dtype,
-            config_fingerprint=config.fingerprint(),
-            engine_args=config.engine_output_args(),
+            dtype=settings.extract.hidden_dtype,
+            config_fingerprint=settings.fingerprint,
+            engine_args=settings.engine_args,
             versions=versions(extractor.name),
         )
         self._compute = threading.Semaphore(extractor.concurrent_tasks)
@@ -189,7 +212,7 @@ class ExtractLane:
             for record, sequence in sequences
         ]
         summaries: dict[int, torch.Tensor] = {}
-        picker = CanaryPicker(shard_id, [len(r.input_ids) for r in requests], self.config.extract.canary_samples)
+        picker = CanaryPicker(shard_id, [len(r.input_ids) for r in requests], self.settings.extract.canary_samples)
         with self.uploader.stage(shard_id) as staged:
             # States go to the staged file as each forward pass finishes: the task holds about one pass of them.
             info = replace(self.info, injected_faults=faults.installed())
@@ -218,13 +241,13 @@ class ExtractLane:
                     ok = [i for i in isolated.ok if requests[i].sample_id not in poisoned_ids]  # whole or dead
                     canary = run_canary(
                         self.extractor, shard_id, requests, picker.chosen(ok), ok, self.layer_names,
-                        self._canary_tolerance(), self.config.extract.canary_window_every, recompute,
+                        self._canary_tolerance(), self.settings.extract.canary_window_every, recompute,
                     )
                 check_plausible(
                     [requests[i].sample_id for i in ok],
                     [summaries[i] for i in ok],
                     self.layer_names,
-                    self.config.extract.rms_outlier_factor,
+                    self.settings.extract.rms_outlier_factor,
                 )
                 first_errors: dict[str, BaseException] = {}
                 for i, exc in isolated.poisoned:
@@ -274,7 +297,7 @@ class ExtractLane:
 
     def _window(self) -> ShardWindow:
         if self._consumption is None:
-            self._consumption = ShardWindow.from_url(self.config.broker.connection_url(), self.config.run.name)
+            self._consumption = self.settings.open_window()
         return self._consumption
 
     def _give_back_place(self, shard_id: str, epoch: int) -> None:
@@ -283,18 +306,18 @@ class ExtractLane:
     def _drop_if_consumed(self, shard_id: str, out_key: str, epoch: int) -> None:
         """A second delivery that extracted the shard while the first one's file was stored, consumed and deleted
         has just written it again: deleted again (retention = "until-consumed"), or it would stay for good."""
-        if self.config.storage.retention == "until-consumed" and self.storage.exists(consumed_key(shard_id, epoch)):
+        if self.settings.storage.retention == "until-consumed" and self.storage.exists(consumed_key(shard_id, epoch)):
             self.storage.delete(out_key)
 
     def _take_place(self, shard_id: str, epoch: int) -> bool:
         """A place in the window of unconsumed shards, waited for up to WINDOW_WAIT_S (polled, not spun); whether
         it was taken now (False: no window, or the place was already held by another delivery of the task)."""
-        size = self.config.extract.max_unconsumed_shards
+        size = self.settings.extract.max_unconsumed_shards
         if not size:
             return False
         window = self._window()
         # Well within the visibility timeout: a message held longer would be handed to another worker.
-        wait_s = min(WINDOW_WAIT_S, self.config.broker.visibility_timeout_s / 4)
+        wait_s = min(WINDOW_WAIT_S, self.settings.visibility_timeout_s / 4)
         deadline = time.monotonic() + wait_s
         while not (taken := window.take_place(epoch, shard_id, size)):
             window.note_waiting(epoch, shard_id, ttl_s=int(2 * wait_s) + 1)
@@ -319,7 +342,7 @@ class ExtractLane:
             self.extractor.capture(requests, deliver=deliver)
 
     def _canary_tolerance(self) -> CanaryTolerance:
-        configured = self.config.extract.canary_tolerance
+        configured = self.settings.extract.canary_tolerance
         return CanaryTolerance.fixed(configured) if configured else self.extractor.canary_tolerance()
 
     def begin_shutdown(self) -> None:
@@ -349,8 +372,26 @@ class ExtractLane:
             self._compute.release()
 
 
+def extract_lane_settings(config: Config) -> ExtractLaneSettings:
+    """What the extract lane reads, taken from the whole configuration (its fingerprint included)."""
+    return ExtractLaneSettings(
+        extract=config.extract,
+        storage=config.storage,
+        staging_dir=config.staging_dir,
+        open_window=functools.partial(_open_window, config.broker, config.run.name),
+        visibility_timeout_s=config.broker.visibility_timeout_s,
+        target_model=config.model.display_name,
+        fingerprint=config.fingerprint(),
+        engine_args=config.engine_output_args(),
+    )
+
+
+def _open_window(broker: BrokerConfig, run_name: str) -> ShardWindow:
+    return ShardWindow.from_url(broker.connection_url(), run_name)
+
+
 def build_extract_lane(config: Config, storage: Storage | None = None) -> ExtractLane:
-    return ExtractLane(config, build_extractor(config), storage)
+    return ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
 
 
 def build_extractor(config: Config) -> ExtractEngine:

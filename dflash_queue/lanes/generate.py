@@ -12,16 +12,19 @@ from transformers import AutoTokenizer
 from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.data.chat_template import ChatFormatter
+from dflash_queue.data.config import DatasetConfig
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.base import GenerateEngine
 from dflash_queue.lanes.isolation import run_isolating
 from dflash_queue.lanes.turns import TurnGenerator
 from dflash_queue.quality.checks import TokenMarkers
+from dflash_queue.quality.config import QualityConfig
 from dflash_queue.quality.gate import GateCounts, QualityGate, gate_summary
 from dflash_queue.shards.completions import CompletionRecord, decode_completions, encode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import Storage, open_storage
+from dflash_queue.storage.config import StorageConfig
 
 if TYPE_CHECKING:
     from dflash_queue.runstate.server_waits import OutageReporter
@@ -95,24 +98,38 @@ def summarize(
     )
 
 
+@dataclass(frozen=True)
+class GenerateLaneSettings:
+    """What the generate lane reads of the configuration (`generate_lane_settings` takes it from a whole Config)."""
+
+    storage: StorageConfig  # opened when the lane is handed no storage
+    tokenizer_path: str
+    dataset: DatasetConfig  # its thinking policy, and the history later turns are generated from
+    quality: QualityConfig
+    max_tokens: int  # generate.sampling.max_tokens
+    retry_max_tokens: int
+    max_model_len: int
+    source: str  # where the config came from: named when the chat template cannot honour the thinking policy
+
+
 class GenerateLane:
-    def __init__(self, config: Config, engine: GenerateEngine, storage: Storage | None = None) -> None:
-        self.config = config
+    def __init__(self, settings: GenerateLaneSettings, engine: GenerateEngine, storage: Storage | None = None) -> None:
+        self.settings = settings
         self.engine = engine
         self.outage_reporter: OutageReporter | None = None
-        self.storage = storage or open_storage(config.storage)
-        tokenizer = AutoTokenizer.from_pretrained(config.model.tokenizer_path)
+        self.storage = storage or open_storage(settings.storage)
+        tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
         self.formatter = ChatFormatter(tokenizer)
         # Refused at worker start, with the message `doctor` gives, rather than recorded wrongly sample by sample.
-        self.formatter.require_thinking_policy(config.dataset.thinking, config.source)
+        self.formatter.require_thinking_policy(settings.dataset.thinking, settings.source)
         self.turns = TurnGenerator(
             engine,
             self.formatter,
-            QualityGate(config.quality, TokenMarkers.from_tokenizer(tokenizer)),
-            max_tokens=config.generate.sampling.max_tokens,
-            retry_max_tokens=config.retry_max_tokens,
-            max_model_len=config.max_model_len(),
-            history=config.dataset.history,
+            QualityGate(settings.quality, TokenMarkers.from_tokenizer(tokenizer)),
+            max_tokens=settings.max_tokens,
+            retry_max_tokens=settings.retry_max_tokens,
+            max_model_len=settings.max_model_len,
+            history=settings.dataset.history,
         )
 
     def already_stored(self, shard_id: str, *, epoch: int = 0) -> GenerateSummary | None:
@@ -165,8 +182,22 @@ def _epoch_zero(shard_id: str, epoch: int) -> str:
     return shard_id
 
 
+def generate_lane_settings(config: Config) -> GenerateLaneSettings:
+    """What the generate lane reads, taken from the whole configuration (the derived lengths included)."""
+    return GenerateLaneSettings(
+        storage=config.storage,
+        tokenizer_path=config.model.tokenizer_path,
+        dataset=config.dataset,
+        quality=config.quality,
+        max_tokens=config.generate.sampling.max_tokens,
+        retry_max_tokens=config.retry_max_tokens,
+        max_model_len=config.max_model_len(),
+        source=config.source,
+    )
+
+
 def build_generate_lane(config: Config, storage: Storage | None = None) -> GenerateLane:
-    lane = GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     outage = getattr(lane.engine, "outage", None)
     if outage is not None and config.broker.url:
         # `status` shows a worker whose every inference server is down, and since when.

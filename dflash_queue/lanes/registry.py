@@ -17,7 +17,10 @@ from dflash_queue.runstate.shard_states import CANARY_ERROR, DONE, GENERATED, QU
 
 if TYPE_CHECKING:
     from dflash_queue.config import Config
+    from dflash_queue.engines.config import GenerateConfig
+    from dflash_queue.lanes.config import ExtractConfig
     from dflash_queue.storage import Storage
+    from dflash_queue.storage.config import UploaderConfig
 
 
 class LaneSummary(Protocol):
@@ -60,6 +63,7 @@ class LaneSpec:
     task_name: str
     # "module:function" of `(config, storage) -> ResidentLane`, imported only by a worker of this lane.
     builder: str
+    # The lane's task slots by default, from the sections its lane reads (the table hands each its own).
     default_slots: Callable[[Config], int]
     # The state of a shard waiting for this lane (set again when a dead letter of this lane is requeued), the
     # states that count as waiting, the state this lane's task leaves behind, and the states past this lane.
@@ -110,39 +114,43 @@ class LaneSpec:
         return getattr(importlib.import_module(module), function)(config, storage)
 
 
-def _generate_slots(config: Config) -> int:
+def _generate_slots(generate: GenerateConfig) -> int:
     """The vLLM lane keeps `inflight_tasks` shards feeding one engine, the inference-server engine
     `generate.server.inflight_tasks` feeding its servers; the Transformers engine runs one."""
-    if config.generate.engine == "server":
-        return config.generate.server.inflight_tasks
-    return config.generate.vllm.inflight_tasks if config.generate.engine == "vllm" else 1
+    if generate.engine == "server":
+        return generate.server.inflight_tasks
+    return generate.vllm.inflight_tasks if generate.engine == "vllm" else 1
 
 
-def _extract_compute_slots(config: Config) -> int:
+def _extract_compute_slots(extract: ExtractConfig) -> int:
     """Tasks computing at once: one on the Transformers model, extract.vllm.inflight_tasks on the vLLM engine."""
-    return config.extract.vllm.inflight_tasks if config.extract.engine == "vllm" else 1
+    return extract.vllm.inflight_tasks if extract.engine == "vllm" else 1
 
 
-def _extract_slots(config: Config) -> int:
+def extract_slots(extract: ExtractConfig, uploader: UploaderConfig) -> int:
     """Tasks computing while others wait for their uploads: a task holds one of the uploader's max_pending
     staging slots from before its compute until its shard is stored; the extra slots are tasks that wait for a
     staging slot, ready to compute."""
-    return _extract_compute_slots(config) + config.storage.uploader.max_pending
+    return _extract_compute_slots(extract) + uploader.max_pending
 
 
-def _extract_warnings(config: Config, slots: int) -> list[str]:
-    if config.extract.engine != "vllm":
+def _extract_warnings(
+    extract: ExtractConfig, uploader: UploaderConfig, context_lengths: Callable[[], tuple[int, int]]
+) -> list[str]:
+    """`context_lengths`: the vLLM engine's context and the longest sequence staging admits, asked for only when
+    the engine is vLLM (they may read the model's config.json)."""
+    if extract.engine != "vllm":
         return []
     warnings = []
-    computing = _extract_compute_slots(config)
-    pending = config.storage.uploader.max_pending
+    computing = _extract_compute_slots(extract)
+    pending = uploader.max_pending
     if computing > 1 and pending < computing:
         warnings.append(
             f"storage.uploader.max_pending ({pending}) is below extract.vllm.inflight_tasks ({computing}): a task "
             f"holds a staging slot while it computes, so at most {pending} tasks feed the engine at once; raise "
             "storage.uploader.max_pending"
         )
-    context, longest = config.extract_context_len(), config.max_model_len()
+    context, longest = context_lengths()
     if context <= longest:
         warnings.append(
             f"the vLLM extract engine's context ({context} tokens) holds sequences of at most {context - 1} "
@@ -152,27 +160,27 @@ def _extract_warnings(config: Config, slots: int) -> list[str]:
     return warnings
 
 
-def _generate_warnings(config: Config, slots: int) -> list[str]:
-    if config.generate.engine == "server":
-        waiting = (slots - 1) * config.dataset.shard_size
-        wanted = config.generate.server.requests_in_flight
+def _generate_warnings(generate: GenerateConfig, shard_size: int, slots: int) -> list[str]:
+    if generate.engine == "server":
+        waiting = (slots - 1) * shard_size
+        wanted = generate.server.requests_in_flight
         if waiting >= wanted:
             return []
         return [
-            f"with {slots} tasks in flight of {config.dataset.shard_size} samples each, the other tasks hold "
+            f"with {slots} tasks in flight of {shard_size} samples each, the other tasks hold "
             f"{waiting} requests while one task finishes, fewer than generate.server.requests_in_flight ({wanted}): "
             "the servers will run part-empty at task boundaries; raise generate.server.inflight_tasks or "
             "dataset.shard_size"
         ]
-    if config.generate.engine != "vllm":
+    if generate.engine != "vllm":
         return []
-    waiting = (slots - 1) * config.dataset.shard_size
-    if waiting >= config.generate.vllm.max_num_seqs:
+    waiting = (slots - 1) * shard_size
+    if waiting >= generate.vllm.max_num_seqs:
         return []
     return [
-        f"with {slots} tasks in flight of {config.dataset.shard_size} samples each, the other tasks hold "
+        f"with {slots} tasks in flight of {shard_size} samples each, the other tasks hold "
         f"{waiting} requests while one task finishes, fewer than generate.vllm.max_num_seqs "
-        f"({config.generate.vllm.max_num_seqs}): the engine will run part-empty at task boundaries; raise "
+        f"({generate.vllm.max_num_seqs}): the engine will run part-empty at task boundaries; raise "
         "generate.vllm.inflight_tasks or dataset.shard_size"
     ]
 
@@ -181,7 +189,7 @@ GENERATE = LaneSpec(
     name="generate",
     task_name="dfq.generate",
     builder="dflash_queue.lanes.generate:build_generate_lane",
-    default_slots=_generate_slots,
+    default_slots=lambda config: _generate_slots(config.generate),
     waiting_state=QUEUED,
     pending_states=frozenset({QUEUED}),
     finished_state=GENERATED,
@@ -197,14 +205,14 @@ GENERATE = LaneSpec(
     paced_by="generated",
     work_counter="generate_completion_tokens",
     plan_title="generation (generated tokens)",
-    startup_warnings=_generate_warnings,
+    startup_warnings=lambda config, slots: _generate_warnings(config.generate, config.dataset.shard_size, slots),
 )
 
 EXTRACT = LaneSpec(
     name="extract",
     task_name="dfq.extract",
     builder="dflash_queue.lanes.extract:build_extract_lane",
-    default_slots=_extract_slots,
+    default_slots=lambda config: extract_slots(config.extract, config.storage.uploader),
     waiting_state=GENERATED,
     pending_states=frozenset({QUEUED, GENERATED}),
     finished_state=DONE,
@@ -219,7 +227,9 @@ EXTRACT = LaneSpec(
     paced_by="sequence",
     work_counter="extract_tokens",
     plan_title="extraction (prompt + completion tokens)",
-    startup_warnings=_extract_warnings,
+    startup_warnings=lambda config, slots: _extract_warnings(
+        config.extract, config.storage.uploader, lambda: (config.extract_context_len(), config.max_model_len())
+    ),
 )
 
 # The lane of a dead letter whose task name or queue names no lane.

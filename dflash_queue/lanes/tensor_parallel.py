@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dflash_queue.config import Config
+from dflash_queue.engines.config import ExtractEngineSettings, GenerateConfig
 from dflash_queue.lanes.registry import LANES
 
 
-def vllm_tensor_parallel(config: Config) -> dict[str, int]:
-    """Lane -> tensor_parallel_size, for the lanes whose engine is vLLM, in pipeline order."""
-    sizes = {}
-    for lane in LANES:
-        section = getattr(config, lane, None)
-        if section is not None and getattr(section, "engine", None) == "vllm":
-            sizes[lane] = int(section.vllm.tensor_parallel_size)
-    return sizes
+def vllm_tensor_parallel(generate: GenerateConfig, extract: ExtractEngineSettings) -> dict[str, int]:
+    """Lane -> tensor_parallel_size, for the lanes whose engine is vLLM, in pipeline order; each lane's section
+    is handed in by its name."""
+    sections: dict[str, GenerateConfig | ExtractEngineSettings] = {"generate": generate, "extract": extract}
+    return {
+        lane: int(sections[lane].vllm.tensor_parallel_size)
+        for lane in LANES
+        if lane in sections and sections[lane].engine == "vllm"
+    }
 
 
 def group_size_error(lane: str, group: Sequence[int], tensor_parallel_size: int) -> str | None:

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from dflash_queue.config import Config
+from dflash_queue.data.config import DatasetConfig
+from dflash_queue.engines.config import ModelConfig
 from dflash_queue.engines.devices import GPU_DTYPE_BYTES
-from dflash_queue.lanes.registry import EXTRACT
+from dflash_queue.lanes.config import ExtractConfig
+from dflash_queue.lanes.registry import extract_slots
+from dflash_queue.storage.config import UploaderConfig
 
 STORED_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8_e4m3": 1}
 MODEL_BYTES = GPU_DTYPE_BYTES  # model.dtype "auto" on a GPU: the checkpoint's, bf16 for the models targeted
@@ -77,19 +80,27 @@ class ShardSizing:
         return asdict(self) | {"too_large": self.too_large}
 
 
-def size_shards(config: Config, num_layers: int, hidden_size: int, tokens_per_sample: float) -> ShardSizing:
-    """The sizes for `config` with samples of `tokens_per_sample` tokens (prompt and completion). Takes the whole
-    Config: it reads four sections, and the extract lane's task slots come from it (lanes/registry.py)."""
-    extract = config.extract
-    samples = config.dataset.shard_size
+def size_shards(
+    extract: ExtractConfig,
+    dataset: DatasetConfig,
+    uploader: UploaderConfig,
+    model: ModelConfig,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    tokens_per_sample: float,
+) -> ShardSizing:
+    """The sizes for these settings with samples of `tokens_per_sample` tokens (prompt and completion), for a
+    model of `num_layers` stored layers of `hidden_size` values."""
+    samples = dataset.shard_size
     size = shard_bytes(samples, tokens_per_sample, num_layers, hidden_size, extract.hidden_dtype)
-    max_pending = config.storage.uploader.max_pending
-    model_bytes = MODEL_BYTES[config.model.dtype]
+    max_pending = uploader.max_pending
+    model_bytes = MODEL_BYTES[model.dtype]
     if extract.engine == "vllm":
         computing = extract.vllm.inflight_tasks
         sequence = tokens_per_sample * num_layers * hidden_size
         converted = 4 if extract.hidden_dtype == "fp8_e4m3" else STORED_BYTES[extract.hidden_dtype]
-        engine_bytes = MODEL_BYTES[extract.vllm.dtype or config.model.dtype]
+        engine_bytes = MODEL_BYTES[extract.vllm.dtype or model.dtype]
         # Read, waiting in the tmpfs, converted, and the canary's copies.
         host = computing * sequence * (2 * engine_bytes + converted + extract.canary_samples * engine_bytes)
     else:
@@ -108,7 +119,7 @@ def size_shards(config: Config, num_layers: int, hidden_size: int, tokens_per_sa
         tokens_per_sample=tokens_per_sample,
         shard_bytes=size,
         max_shard_bytes=extract.max_shard_bytes,
-        task_slots=EXTRACT.default_slots(config),
+        task_slots=extract_slots(extract, uploader),
         computing_tasks=computing,
         task_host_bytes=host,
         staging_bytes=max_pending * size,

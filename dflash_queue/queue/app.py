@@ -9,6 +9,7 @@ from kombu import Exchange, Queue
 from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
 from dflash_queue.lanes.registry import FIRST_LANE, LANES
+from dflash_queue.queue.config import BrokerConfig
 from dflash_queue.queue.runtime import WorkerRuntime
 
 
@@ -27,23 +28,23 @@ class LaneApp(Celery):
 app = LaneApp("dflash_queue", include=["dflash_queue.queue.tasks"])
 
 
-def celery_settings(config: Config) -> dict:
-    if not config.broker.url:
-        raise ConfigError(
-            f"{config.source}: broker.url is empty; set it (or {'DFQ_BROKER_URL'}) or use `dflash-queue run`"
-        )
+def celery_settings(broker: BrokerConfig, source: str) -> dict:
+    """The app's settings for the run's broker; `source` (where the config came from) names the file when the
+    broker's URL is missing."""
+    if not broker.url:
+        raise ConfigError(f"{source}: broker.url is empty; set it (or {'DFQ_BROKER_URL'}) or use `dflash-queue run`")
     transport = {
-        "visibility_timeout": config.broker.visibility_timeout_s,
+        "visibility_timeout": broker.visibility_timeout_s,
         # Messages of workers that died come back once older than the visibility timeout; look for them
         # every minute (or a quarter of a short timeout), not kombu's default of every 100 s.
-        "unacked_restore_interval": max(1, min(60, config.broker.visibility_timeout_s // 4)),
+        "unacked_restore_interval": max(1, min(60, broker.visibility_timeout_s // 4)),
         "unacked_restore_throttle": 1,
         # Redis can drop idle connections behind NAT or proxies; keep them alive and notice breaks.
         "socket_keepalive": True,
         "health_check_interval": 25,
     }
     return {
-        "broker_url": config.broker.connection_url(),
+        "broker_url": broker.connection_url(),
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,
@@ -75,5 +76,7 @@ def celery_settings(config: Config) -> dict:
 
 
 def configure_app(config: Config) -> Celery:
-    app.conf.update(celery_settings(config))
+    """The process's app, set up for `config`'s broker. Takes the whole Config: it is what every command, worker
+    and test hands in before it sends or consumes (the app itself reads the broker section only)."""
+    app.conf.update(celery_settings(config.broker, config.source))
     return app

@@ -28,6 +28,7 @@ EXIT_ENGINE_LOST = 70  # EX_SOFTWARE: the process manager should restart the wor
 
 @dataclass
 class WorkerRuntime:
+    # The whole Config: the worker's composition root, whose task steps each take the sections they read.
     config: Config
     fingerprint: str
     ledger: Ledger

@@ -50,6 +50,7 @@ from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.stopped_workers import StoppedWorkers
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.checks import require_storage
+from dflash_queue.storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,13 @@ WORKER_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
 __all__ = ["EXIT_ENGINE_LOST", "open_checked_storage", "run_worker"]
 
 
-def open_checked_storage(config: Config) -> Storage:
+def open_checked_storage(settings: StorageConfig) -> Storage:
     """Open the configured storage, prove it writable and readable, and abort stale multipart uploads."""
-    storage = open_storage(config.storage)
+    storage = open_storage(settings)
     for result in require_storage(storage):
         log.info("storage %s: %s", result.check, result.message)
     abort_stale = getattr(storage, "abort_stale_uploads", None)
-    if abort_stale is not None and config.storage.s3.abort_stale_uploads_after_s > 0:
+    if abort_stale is not None and settings.s3.abort_stale_uploads_after_s > 0:
         abort_stale()
     return storage
 
@@ -77,7 +78,8 @@ def run_worker(
     hostname: str | None = None,
     loglevel: str = "INFO",
 ) -> int:
-    """Run a lane worker until it is stopped; returns the process exit code."""
+    """Run a lane worker until it is stopped; returns the process exit code. Takes the whole Config: it builds the
+    worker's parts (app, storage, lane, runtime), each from the sections it reads."""
     spec = lane(lane_name)
     faults.refuse_uninstalled()
     # Logging from the start, in Celery's format (Celery keeps a root logger that is already set up), so that
@@ -97,7 +99,7 @@ def run_worker(
     concurrency = concurrency or spec.default_slots(config)
     for warning in [*spec.startup_warnings(config, concurrency), *durability_warnings(broker_url)]:
         log.warning("%s", warning)
-    storage = open_checked_storage(config)
+    storage = open_checked_storage(config.storage)
     ledger = Ledger.from_url(broker_url, config.run.name)
     before = StoppedWorkers(ledger.client, config.run.name).clear(node)
     if before is not None:

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from dflash_queue.storage.base import Storage
+from dflash_queue.storage.config import UploaderConfig
 from dflash_queue.storage.process_dirs import make_process_dir
 
 log = logging.getLogger(__name__)
@@ -115,11 +116,6 @@ class ShardUploader:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     @classmethod
-    def from_config(cls, config, storage: Storage) -> ShardUploader:
-        uploader = config.storage.uploader
-        return cls(
-            storage,
-            config.staging_dir,
-            max_pending=uploader.max_pending,
-            parallel_uploads=uploader.parallel_uploads,
-        )
+    def from_settings(cls, settings: UploaderConfig, staging_dir: Path, storage: Storage) -> ShardUploader:
+        """`staging_dir`: Config.staging_dir (settings.staging_dir, or the state directory's staging/)."""
+        return cls(storage, staging_dir, max_pending=settings.max_pending, parallel_uploads=settings.parallel_uploads)

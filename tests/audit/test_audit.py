@@ -15,8 +15,8 @@ import pytest
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -133,8 +133,8 @@ def produced(make_config):
     storage = open_storage(config.storage.url)
     samples = [apply_thinking_policy(s, "never") for s in read_dataset(
         [REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20) if isinstance(s, Sample)][:16]
-    generate = GenerateLane(config, build_generate_engine(config), storage)
-    extract = ExtractLane(config, build_extractor(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
+    extract = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     shard_ids = []
     for chunk in (samples[:8], samples[8:]):
         shard_id = stage_samples(storage, chunk)

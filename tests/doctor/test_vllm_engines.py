@@ -101,9 +101,9 @@ def test_the_transfer_directory_needs_room_for_the_tasks_in_flight(make_config, 
 def test_either_lane_on_vllm_needs_vllm_and_reserves_gpu_memory(make_config, monkeypatch):
     config = make_config(extract={"engine": "vllm"}, **{"extract.vllm": {"gpu_memory_utilization": 0.95}})
     # generate runs on Transformers here
-    assert memory_utilization(vllm_tensor_parallel(config), config.generate, config.extract) == 0.95
+    assert memory_utilization(vllm_tensor_parallel(config.generate, config.extract), config.generate, config.extract) == 0.95
     hf = make_config("hf.toml")  # no lane on vLLM: generate.vllm's default
-    assert memory_utilization(vllm_tensor_parallel(hf), hf.generate, hf.extract) == 0.9
+    assert memory_utilization(vllm_tensor_parallel(hf.generate, hf.extract), hf.generate, hf.extract) == 0.9
     busy = GpuInfo(0, "NVIDIA H200", (9, 0), 140 * GIB, 120 * GIB)  # 120 GiB free < 0.95 x 140
     checks = {c.name: c for c in run_doctor(config, gpu_reader=lambda: ([busy], ["sm_90"], "12.8"), start_engine=False)}
     assert checks["gpu 0 memory"].verdict == "fail"  # the vLLM extract engine reserves its share at start

@@ -16,7 +16,7 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerationRequest
 from dflash_queue.engines.hf_generate import TransformersGenerateEngine
-from dflash_queue.lanes.generate import GenerateLane
+from dflash_queue.lanes.generate import GenerateLane, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
@@ -128,8 +128,8 @@ def test_ngram_speculative_decoding_leaves_greedy_replies_unchanged_through_the_
         engine = vllm_engine if name == "plain" else VllmGenerateEngine(speculative.model, speculative.generate.vllm, speculative.generate.sampling)
         try:
             before = spec_decode_counts()
-            assert not GenerateLane(speculative if engine is not vllm_engine else config, engine, storage).run(
-                shard_id).skipped
+            settings = generate_lane_settings(speculative if engine is not vllm_engine else config)
+            assert not GenerateLane(settings, engine, storage).run(shard_id).skipped
             accepted[name] = spec_decode_counts().get(ACCEPTED, 0) - before.get(ACCEPTED, 0)
         finally:
             if engine is not vllm_engine:

@@ -24,7 +24,7 @@ from dflash_queue.engines.state_checks import (
 )
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import EngineStatesInvalid
-from dflash_queue.lanes.extract import ExtractLane, vllm_extract_settings
+from dflash_queue.lanes.extract import ExtractLane, extract_lane_settings, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER, TrainingShard
@@ -209,7 +209,7 @@ def write_completions(config, shard_id: str, lengths: dict[str, int], seed: int 
 def run_lane(config, extractor, shard_id, **extract):
     lane_config = config.with_overrides(extract=extract) if extract else config
     storage = open_storage(config.storage)
-    lane = ExtractLane(lane_config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(lane_config), extractor, storage)
     try:
         return lane.run(shard_id), storage
     finally:

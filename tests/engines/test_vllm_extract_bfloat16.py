@@ -29,7 +29,7 @@ from dflash_queue.engines.state_checks import (
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import EngineStatesInvalid
 from dflash_queue.lanes.canaries import CanaryPicker
-from dflash_queue.lanes.extract import ExtractLane, vllm_extract_settings
+from dflash_queue.lanes.extract import ExtractLane, extract_lane_settings, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -160,7 +160,7 @@ def shard_faulting_its_canary(config, shard_id: str, lengths: list[int], name: s
 
 def run_lane(config, extractor, shard_id):
     storage = open_storage(config.storage)
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     try:
         return lane.run(shard_id), storage
     finally:

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_queue.engines.vllm_extract import VllmStateExtractor
 from dflash_queue.errors import NonFiniteHiddenStates
-from dflash_queue.lanes.extract import ExtractLane, vllm_extract_settings
+from dflash_queue.lanes.extract import ExtractLane, extract_lane_settings, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -76,7 +76,7 @@ def test_states_the_engine_finds_non_finite_cost_their_sample_alone(config, monk
         return receive(request, path)
 
     monkeypatch.setattr(engine, "_receive", counted)
-    lane = ExtractLane(config, engine, storage)
+    lane = ExtractLane(extract_lane_settings(config), engine, storage)
     try:
         summaries = {shard_id: lane.run(shard_id) for shard_id in SHARDS}
     finally:

@@ -16,7 +16,7 @@ from dflash_queue.data.chat_template import split_reply
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key
 from dflash_queue.storage import open_storage
@@ -56,7 +56,7 @@ def test_conversations_export_as_messages_and_parquet(make_config, tiny_model, t
     storage = open_storage(config.storage)
     every = [s for s in read_dataset(DATASETS, max_record_bytes=1 << 20, regenerate=regenerate) if isinstance(s, Sample)]
     samples = [apply_thinking_policy(s, "auto") for s in every[:10] + every[-2:]]
-    lane = GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     shard_ids = []
     for chunk in (samples[:6], samples[6:]):
         shard_id = stage_samples(storage, chunk)

@@ -16,7 +16,7 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.faults import ENV
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.lanes.registry import EXTRACT
 from dflash_queue.ops.status import collect_status
 from dflash_queue.ops.status_view import status_table
@@ -46,7 +46,7 @@ def generated_shards(make_config, count: int, **extract):
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][: 2 * count]
     ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     shard_ids = []
     for begin in range(0, len(samples), 2):
         shard_id = prompt_shard_id(samples[begin : begin + 2])

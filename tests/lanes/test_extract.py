@@ -13,8 +13,8 @@ from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes import extract as extract_lane
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.consumed import ConsumedShard
 from dflash_queue.shards.keys import completions_key, consumed_key, epoch_shard_key, prompts_key, shard_key
@@ -61,7 +61,7 @@ def completed_on_s3(make_config, s3_tables):
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20)
                if isinstance(s, Sample)][:12]
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     shard_ids = []
     for begin in range(0, 12, 4):
         shard = samples[begin : begin + 4]
@@ -76,7 +76,7 @@ def completed_on_s3(make_config, s3_tables):
 def test_task_threads_share_one_engine_and_return_after_their_shard_is_stored(completed_on_s3, tmp_path):
     config, storage, shard_ids = completed_on_s3
     extractor = ObservedExtractor(build_extractor(config))
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
 
     def task(shard_id: str):
         summary = lane.run(shard_id)
@@ -94,7 +94,7 @@ def test_task_threads_share_one_engine_and_return_after_their_shard_is_stored(co
     local = LocalStorage(tmp_path / "local")
     for shard_id in shard_ids:
         local.write_bytes(completions_key(shard_id), storage.read_bytes(completions_key(shard_id)))
-    sequential = ExtractLane(config, extractor.inner, local)
+    sequential = ExtractLane(extract_lane_settings(config), extractor.inner, local)
     for shard_id in shard_ids:
         sequential.run(shard_id)
         with storage.local_copy(shard_key(shard_id)) as s3_path, local.local_copy(shard_key(shard_id)) as local_path:
@@ -112,7 +112,7 @@ def test_task_threads_share_one_engine_and_return_after_their_shard_is_stored(co
 def test_after_shutdown_began_a_task_gives_up_before_the_engine(completed_on_s3):
     config, storage, shard_ids = completed_on_s3
     extractor = ObservedExtractor(build_extractor(config))
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     lane.begin_shutdown()
     with pytest.raises(WorkerShuttingDown, match=f"shard {shard_ids[0]}: the worker is shutting down"):
         lane.run(shard_ids[0])
@@ -127,7 +127,7 @@ def test_the_window_holds_extraction_back_and_a_consumed_shard_is_never_made_aga
     config = make_config("window.toml", **s3_tables, extract={"max_unconsumed_shards": 1})
     monkeypatch.setattr(extract_lane, "WINDOW_WAIT_S", 1.0)
     extractor = ObservedExtractor(build_extractor(config))
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     consumption = ShardWindow.from_url(redis_url, config.run.name)
 
     assert not lane.run(first).skipped and consumption.window_fill() == 1
@@ -200,8 +200,8 @@ def test_a_second_delivery_after_the_shard_was_consumed_takes_no_place_for_good(
     _, storage, (first, _, _) = completed_on_s3
     config = live_window_config(make_config, s3_tables)
     extractor = build_extractor(config)
-    first_delivery = ExtractLane(config, extractor, storage)
-    second_delivery = ExtractLane(config, extractor, storage)
+    first_delivery = ExtractLane(extract_lane_settings(config), extractor, storage)
+    second_delivery = ExtractLane(extract_lane_settings(config), extractor, storage)
     gate = threading.Event()
     window = ShardWindow.from_url(redis_url, config.run.name)
     second_delivery._consumption = gated = GatedWindow(window.client, config.run.name, gate)
@@ -231,10 +231,10 @@ def test_a_second_delivery_extracting_while_the_shard_is_consumed_leaves_no_file
     _, storage, (first, _, _) = completed_on_s3
     config = live_window_config(make_config, s3_tables)
     extractor = build_extractor(config)
-    first_delivery = ExtractLane(config, extractor, storage)
+    first_delivery = ExtractLane(extract_lane_settings(config), extractor, storage)
     gate = threading.Event()
     gated = GatedExtractor(extractor, gate)
-    second_delivery = ExtractLane(config, gated, storage)
+    second_delivery = ExtractLane(extract_lane_settings(config), gated, storage)
     window = ShardWindow.from_url(redis_url, config.run.name)
     live = LiveShards(config, consumer="trainer", rank=0, world_size=1)
 

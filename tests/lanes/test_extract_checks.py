@@ -12,8 +12,8 @@ import torch
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.state_checks import CanaryMismatch, ImplausibleHiddenStates
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
@@ -42,7 +42,7 @@ def generated(tiny_family, make_config):
         shard_id = prompt_shard_id(samples)
         if not storage.exists(prompts_key(shard_id)):
             storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
-            lane = GenerateLane(config, build_generate_engine(config), storage)
+            lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
             lane.run(shard_id)
             lane.close()
         return config, storage, shard_id
@@ -57,7 +57,7 @@ def break_packing(inject_faults):
 
 def test_the_canary_is_recorded_in_the_shard_and_chosen_by_the_shard_id(generated):
     config, storage, shard_id = generated(canary_samples=2)
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     first = lane.run(shard_id)
     with storage.local_copy(shard_key(shard_id)) as path:
         canary = json.loads(TrainingShard(path).info()["canary"])
@@ -82,7 +82,7 @@ def test_the_canary_is_recorded_in_the_shard_and_chosen_by_the_shard_id(generate
 
 def test_broken_packing_fails_the_task_and_stores_nothing(generated, break_packing):
     config, storage, shard_id = generated()
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     assert lane.extractor.mode == "packed"  # the load probe ran before the fault: only the canary can catch it
     # Sequences that see each other: the first tokens of a follower, which see the most of the sequence before it,
     # differ the most.
@@ -96,7 +96,7 @@ def test_broken_packing_fails_the_task_and_stores_nothing(generated, break_packi
 def test_without_the_canary_broken_packing_would_be_stored(generated, break_packing):
     """The check above is the canary's doing: with it off, the same broken states go to storage."""
     config, storage, shard_id = generated(canary_samples=0)
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     summary = lane.run(shard_id)
     lane.close()
     assert summary.canary_error is None and storage.exists(shard_key(shard_id))
@@ -108,7 +108,7 @@ def test_a_layer_that_outputs_zeros_fails_the_task(generated):
     config, storage, shard_id = generated()
     extractor = build_extractor(config)
     extractor.model.layers[2].register_forward_hook(lambda _m, _i, out: torch.zeros_like(out))
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     # Layer 2 is captured before the hook zeroes its output; layer 5 then computes on zeros.
     with pytest.raises(ImplausibleHiddenStates, match=r"^8 implausible hidden states: sample \S+, layer 5 \(decoder_output\): all zero"):
         lane.run(shard_id)
@@ -124,7 +124,7 @@ def test_a_sample_whose_states_are_far_off_the_others_fails_the_task_in_bfloat16
     from dflash_queue.engines import hf_extract
 
     config, storage, shard_id = generated(dtype="bfloat16", hidden_dtype="bfloat16", canary_samples=0)
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     finish_pass = hf_extract.finish_pass
 
     def scaled(group, spans, buffer, *args, **kwargs):
@@ -149,7 +149,7 @@ def test_a_faint_leak_into_the_first_tokens_of_every_follower_fails_the_task_in_
     bfloat16 is 2e-4, where the fixed bfloat16 tolerance was 2e-2."""
     config, storage, shard_id = generated(dtype="bfloat16", canary_samples=2)
     extractor = build_extractor(config)
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     assert extractor.canary_tolerance().head < 1e-3
     inject_faults({"extract_leak_head": {"relative": 1e-3, "tokens": 8}})
     with pytest.raises(CanaryMismatch, match=r"first 8 tokens, differs from the sample run alone by relative error "
@@ -161,7 +161,7 @@ def test_a_faint_leak_into_the_first_tokens_of_every_follower_fails_the_task_in_
 
 def test_bfloat16_extraction_raises_no_false_alarm(generated):
     config, storage, shard_id = generated(dtype="bfloat16", canary_samples=8)
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     summary = lane.run(shard_id)
     lane.close()
     with storage.local_copy(shard_key(shard_id)) as path:
@@ -174,7 +174,7 @@ def test_a_shard_whose_samples_each_ran_alone_is_untestable_not_passed(generated
     """With a token budget below every sample, each runs alone in its pass: no leak between sequences could show,
     and the shard says so instead of recording a pass."""
     config, storage, shard_id = generated(canary_samples=2, token_budget=8)
-    lane = ExtractLane(config, build_extractor(config), storage)
+    lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     summary = lane.run(shard_id)
     lane.close()
     with storage.local_copy(shard_key(shard_id)) as path:
@@ -216,7 +216,7 @@ def test_past_the_window_only_the_window_canary_sees_a_window_ignored(
     storage = write_short_completions(config, "short", count=8, length=12)
     extractor = build_extractor(config)
     assert extractor.coverage_length() == 16
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     healthy = lane.run("short", redo=True)
     with storage.local_copy(shard_key("short")) as path:
         meta = TrainingShard(path).info()

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
 from dflash_queue.shards.completions import CompletionRecord, encode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
@@ -44,7 +44,7 @@ def test_a_task_holds_about_one_pass_of_states_whatever_the_shard_size(make_conf
         return run_pass(*args, **kwargs)
 
     extractor._run = measured_pass
-    lane = ExtractLane(config, extractor, storage)
+    lane = ExtractLane(extract_lane_settings(config), extractor, storage)
     summary = lane.run("big")
     lane.close()
 

@@ -19,8 +19,8 @@ from dflash_queue.data.samples import Sample
 from dflash_queue.engines.base import CapturedStates
 from dflash_queue.engines.passes import summarize, token_stats
 from dflash_queue.errors import NonFiniteHiddenStates, NonFiniteRowRefused, ShardFormatError
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
@@ -42,7 +42,7 @@ def generated(make_config):
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:4]
     shard_id = prompt_shard_id(samples)
     storage.write_bytes(prompts_key(shard_id), encode_prompts(samples))
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     generate.run(shard_id)
     generate.close()
     records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
@@ -85,7 +85,7 @@ def test_states_the_engine_finds_non_finite_cost_their_sample_alone(generated):
     engine = CountingEngine(build_extractor(config))
     with torch.no_grad():
         engine.inner.model.embed_tokens.weight[token] = float("nan")
-    lane = ExtractLane(config, engine, storage)
+    lane = ExtractLane(extract_lane_settings(config), engine, storage)
     summary = lane.run(shard_id)
     lane.close()
     assert [(sample, type(exc)) for sample, exc in summary.poisoned] == [(bad, NonFiniteHiddenStates)]
@@ -103,7 +103,7 @@ def test_states_the_engine_finds_non_finite_cost_their_sample_alone(generated):
 def test_non_finite_states_handed_to_the_writer_fail_the_task_for_good(generated, without_statistics):
     config, storage, shard_id, bad, _ = generated
     engine = CountingEngine(build_extractor(config), spoil=bad, without_statistics=without_statistics)
-    lane = ExtractLane(config, engine, storage)
+    lane = ExtractLane(extract_lane_settings(config), engine, storage)
     refused = (
         (ShardFormatError, f"sample {bad}: hidden states handed to the shard writer without the engine's statistics")
         if without_statistics

@@ -8,8 +8,8 @@ import pytest
 
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
@@ -31,7 +31,7 @@ def staged(make_config):
 
 def test_lanes_turn_a_prompt_shard_into_a_training_shard_once(staged):
     config, storage, shard_id = staged
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     assert generate.already_stored(shard_id) is None
     first = generate.run(shard_id)
     assert not first.skipped and first.num_samples == 5 and first.completion_tokens > 0
@@ -44,7 +44,7 @@ def test_lanes_turn_a_prompt_shard_into_a_training_shard_once(staged):
     with pytest.raises(ValueError, match="completions are generated in epoch 0 only, not in epoch 1"):
         generate.already_stored(shard_id, epoch=1)
 
-    extract = ExtractLane(config, build_extractor(config), storage)
+    extract = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     assert extract.already_stored(shard_id) is None
     summary = extract.run(shard_id)
     assert not summary.skipped and summary.num_samples == 5

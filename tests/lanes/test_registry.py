@@ -46,7 +46,8 @@ def test_each_builder_names_a_function_of_the_lane_module():
 
 
 def test_celery_queues_routes_and_tasks_come_from_the_registry(make_config):
-    settings = celery_settings(make_config())
+    config = make_config()
+    settings = celery_settings(config.broker, config.source)
     assert [q.name for q in settings["task_queues"]] == [spec.queue for spec in LANES.values()]
     assert settings["task_routes"] == {
         spec.task_name: {"queue": spec.queue, "routing_key": spec.queue} for spec in LANES.values()

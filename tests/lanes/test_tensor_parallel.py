@@ -7,12 +7,13 @@ from dfq_testing.configs import tiny_vllm_overrides
 
 
 def test_the_lanes_on_vllm_and_their_tensor_parallel_size(make_config):
-    assert vllm_tensor_parallel(make_config()) == {}  # both lanes on Transformers
+    transformers = make_config()
+    assert vllm_tensor_parallel(transformers.generate, transformers.extract) == {}  # both lanes on Transformers
     generate = make_config("g.toml", **tiny_vllm_overrides(tensor_parallel_size=2))
-    assert vllm_tensor_parallel(generate) == {"generate": 2}
+    assert vllm_tensor_parallel(generate.generate, generate.extract) == {"generate": 2}
     both = make_config("b.toml", **tiny_vllm_overrides(), extract={"engine": "vllm"},
                        **{"extract.vllm": {"tensor_parallel_size": 4}})
-    assert vllm_tensor_parallel(both) == {"generate": 1, "extract": 4}
+    assert vllm_tensor_parallel(both.generate, both.extract) == {"generate": 1, "extract": 4}
 
 
 def test_a_group_must_have_exactly_tensor_parallel_size_gpus():

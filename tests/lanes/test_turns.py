@@ -10,8 +10,8 @@ import pytest
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.data.thinking import apply_thinking_policy
-from dflash_queue.lanes.extract import ExtractLane, build_extractor
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.lanes.turns import split_turns
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key, shard_key
@@ -44,7 +44,7 @@ def test_every_assistant_turn_regenerated_on_the_exact_ids(make_config):
     samples = example_samples("all", "never", 4, multi_turn_only=True)
     assert sum(s.num_turns for s in samples) > len(samples)
     storage, shard_id = stage(config, samples)
-    lane = GenerateLane(config, build_generate_engine(config), storage)
+    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     summary = lane.run(shard_id)
     records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)}
     formatter = lane.formatter
@@ -79,7 +79,7 @@ def test_every_assistant_turn_regenerated_on_the_exact_ids(make_config):
     turns = sum(1 + len(r.earlier_turns) for r in records.values())
     assert counters.get("finish_stop", 0) + counters.get("finish_length", 0) == turns > len(records)
 
-    extract = ExtractLane(config, build_extractor(config), storage)
+    extract = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
     extract.run(shard_id)
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)
@@ -99,7 +99,7 @@ def test_truncations_are_retried_once_with_the_larger_budget(make_config):
     )
     samples = example_samples("last", "never", 16)
     storage, shard_id = stage(config, samples)
-    summary = GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    summary = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage).run(shard_id)
     records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
     retried = [r for r in records if "truncated" in r.quality.retried]
     # The tiny model stops with ~3% probability per token: four tokens truncate most replies.
@@ -140,7 +140,7 @@ def test_thinking_that_never_closes_is_dropped_and_still_accounted_for(make_conf
     )
     samples = example_samples("last", "always", 8)
     storage, shard_id = stage(config, samples)
-    summary = GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    summary = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage).run(shard_id)
     records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
     assert [r.id for r in records] == [s.id for s in samples]  # dropped ones are recorded too
     dropped = [r for r in records if not r.kept]
@@ -151,7 +151,7 @@ def test_thinking_that_never_closes_is_dropped_and_still_accounted_for(make_conf
         assert "<think>" not in record.text  # the block was opened by the prompt, not the completion
     assert summary.gate["gate_drop"] == len(dropped) == summary.gate["gate_unclosed_thinking_drop"]
 
-    ExtractLane(config, build_extractor(config), storage).run(shard_id)
+    ExtractLane(extract_lane_settings(config), build_extractor(config), storage).run(shard_id)
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)
         assert len(shard) == len(records) - len(dropped)
@@ -179,7 +179,7 @@ def test_thinking_is_recorded_as_the_prompt_did_it(
             storage={"url": str(tmp_path / f"storage-{model.name}")}, **{"generate.sampling": {"max_tokens": 6}},
         )
         storage, shard_id = stage(config, samples)
-        GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+        GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage).run(shard_id)
         records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
         assert {r.id: r.thinking for r in records} == expected, model.name
 
@@ -209,7 +209,7 @@ def test_tool_conversations_keep_their_calls_results_and_tool_schemas(make_confi
                                                                       regenerate=regenerate)]
     assert len(samples) == 2 and all(isinstance(s, Sample) and s.tools for s in samples)
     storage, shard_id = stage(config, samples)
-    GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage).run(shard_id)
     records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)}
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     for sample in samples:
@@ -264,7 +264,7 @@ def test_as_served_history_is_the_templates_rendering_of_each_turn(
                          **{"generate.sampling": {"max_tokens": 10}})
     samples = example_samples("all", thinking, 4, multi_turn_only=True)
     storage, shard_id = stage(config, samples)
-    GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage).run(shard_id)
     records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)}
     tokenizer = AutoTokenizer.from_pretrained(model)
     enable = thinking == "always"
@@ -330,7 +330,7 @@ def test_as_served_replies_that_render_back_as_generated_stay_one_sequence(make_
     tokenizer = AutoTokenizer.from_pretrained(model)
     samples = example_samples("all", "never", 3, multi_turn_only=True)
     storage, shard_id = stage(config, samples)
-    GenerateLane(config, ScriptedEngine(tokenizer, "Fine, thanks for asking."), storage).run(shard_id)
+    GenerateLane(generate_lane_settings(config), ScriptedEngine(tokenizer, "Fine, thanks for asking."), storage).run(shard_id)
     for record in decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id):
         sample = next(s for s in samples if s.id == record.id)
         assert not record.served_turns and len(record.earlier_turns) == sample.num_turns - 1
@@ -351,11 +351,11 @@ def test_a_sample_served_turn_by_turn_is_extracted_as_one_row_per_turn_and_count
                          **{"generate.sampling": {"max_tokens": 8}})
     samples = example_samples("all", "never", 3, multi_turn_only=True)
     storage, shard_id = stage(config, samples)
-    GenerateLane(config, build_generate_engine(config), storage).run(shard_id)
+    GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage).run(shard_id)
     records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
     expected = [(r.id, s) for r in records if r.kept for s in r.training_sequences()]
     assert any(r.served_turns for r in records) and len(expected) > len(records)
-    summary = ExtractLane(config, build_extractor(config), storage).run(shard_id)
+    summary = ExtractLane(extract_lane_settings(config), build_extractor(config), storage).run(shard_id)
     assert summary.num_samples == sum(1 for r in records if r.kept)
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)

@@ -315,7 +315,10 @@ def test_an_extract_worker_on_vllm_holds_a_sequence_per_computing_task(make_conf
         extract={"engine": "vllm", "hidden_dtype": "bfloat16", "canary_samples": 1},
         **{"extract.vllm": {"inflight_tasks": 3, "dtype": "bfloat16"}},
     )
-    sizing = size_shards(config, 5, 5120, 2000)
+    sizing = size_shards(
+        config.extract, config.dataset, config.storage.uploader, config.model,
+        num_layers=5, hidden_size=5120, tokens_per_sample=2000,
+    )
     assert sizing.computing_tasks == 3 and sizing.task_slots == 3 + config.storage.uploader.max_pending
     # Per task: 2,000 tokens x 5 layers x 5,120 values, read and waiting (2 x 2 bytes), converted (2), canary (2).
     assert sizing.task_host_bytes == 3 * 2000 * 5 * 5120 * (2 * 2 + 2 + 2)

@@ -44,7 +44,7 @@ def install(config, layout: UnitLayout, settings: InstallSettings, dest: Path, *
     """install_units with the config's sections, as `dflash-queue systemd` calls it."""
     return install_units(
         config.run, config.broker, config.storage, layout, settings, dest,
-        tensor_parallel=vllm_tensor_parallel(config), **options,
+        tensor_parallel=vllm_tensor_parallel(config.generate, config.extract), **options,
     )
 
 

@@ -10,7 +10,7 @@ import redis
 
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.lanes.generate import GenerateLane, build_generate_engine
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.tasks import LANE_TASKS
@@ -104,7 +104,7 @@ def test_warm_shutdown_stores_or_requeues_every_shard(make_config, s3_tables, st
     storage = open_storage(config.storage)
     samples = [s for s in read_dataset([REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20)
                if isinstance(s, Sample)][:32]
-    generate = GenerateLane(config, build_generate_engine(config), storage)
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
     shard_ids = []
     for begin in range(0, len(samples), 4):
         shard = samples[begin : begin + 4]
