@@ -1,4 +1,4 @@
-"""How the suite's tests are spread over pytest-xdist's processes (`-n 2`, pyproject.toml's addopts).
+"""How the suite's tests are spread over pytest-xdist's processes (`pytest -n N --no-loadscope-reorder`).
 
 A module's tests stay in one process, so its module-scoped engines and servers start once. The modules that run
 one model family per parameter (`SPLIT_BY_FAMILY`: the family is the first part of the test's parameter id) are

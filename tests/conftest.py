@@ -32,7 +32,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    order_longest_first(items)
+    if hasattr(config, "workerinput"):  # a test process of `pytest -n N`
+        order_longest_first(items)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
