@@ -152,7 +152,7 @@ def run_single_box(
     completions again with this config's extract settings (dflash_queue/reextraction.py): no generate worker."""
     if reextract_from is not None:
         check_reextraction(reextract_from, config)
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, soft_wrap=True)
     started = time.monotonic()
     # A thinking policy the template cannot honour stops the run before anything starts.
     formatter = checked_formatter(config.model, config.dataset, config.source)

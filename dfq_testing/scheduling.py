@@ -20,26 +20,32 @@ SPLIT_BY_FAMILY = (
     "tests/test_end_to_end_vllm_extract.py",
     "tests/engines/test_vllm_extract_bfloat16.py",
 )
-# The longest modules, longest first (wall time on the 2-core dev machine, 2026-12-05); the rest follow in
-# collection order.
+# The longest modules, longest first (wall time in one process on the 2-core dev machine, 2026-12-05); the rest
+# follow in collection order.
 LONGEST_FIRST = (
-    "tests/test_conformance.py",
     "tests/test_end_to_end_vllm_extract.py",
-    "tests/engines/test_vllm_extract_bfloat16.py",
+    "tests/tools/test_gpu_check.py",
     "tests/engines/test_server_generate.py",
     "tests/test_end_to_end_vllm.py",
-    "tests/tools/test_gpu_check.py",
-    "tests/cli/test_common.py",
     "tests/test_end_to_end.py",
-    "tests/ops/test_planner.py",
-    "tests/audit/test_audit.py",
-    "tests/lanes/test_extract_checks.py",
-    "tests/test_single_box.py",
-    "tests/training/test_dataset.py",
-    "tests/exports/test_exports.py",
     "tests/live/test_live_run.py",
+    "tests/queue/test_heartbeat.py",
     "tests/tools/test_bench_extract.py",
+    "tests/tools/test_soak.py",
+    "tests/engines/test_vllm_extract_bfloat16.py",
     "tests/faults/test_kill.py",
+    "tests/test_single_box.py",
+    "tests/test_end_to_end_vllm_tensor_parallel.py",
+    "tests/engines/test_engines_agree.py",
+    "tests/ops/test_planner.py",
+    "tests/engines/test_vllm_generate.py",
+    "tests/doctor/test_extract_states.py",
+    "tests/faults/test_canary.py",
+    "tests/test_reextract.py",
+    "tests/test_end_to_end_s3.py",
+    "tests/audit/test_audit.py",
+    "tests/live/test_live_under_run.py",
+    "tests/test_conformance.py",
 )
 
 

@@ -40,7 +40,7 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
         configure_app(config)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     ledger = Ledger.from_url(config.broker.connection_url(), config.run.name)
     try:
         producer = Producer(config, ledger)
@@ -146,7 +146,7 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
 def _run_job(config_path: Path, config, datasets: list[Path], **options) -> None:
     from dflash_queue.single_box import RunFailed, run_single_box
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         summary = run_single_box(config_path, config, datasets, console=console, **options)
     except (RunFailed, ConfigError) as exc:

@@ -68,7 +68,7 @@ def export(
     from dflash_queue.storage import open_storage
     from dflash_queue.training import ShardDataset
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     if format_name in ("messages", "parquet"):
         _export_conversations(shards, format_name, out, _tokenizer(config_path, tokenizer_path), console)
         return
