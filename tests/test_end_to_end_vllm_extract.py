@@ -1,11 +1,15 @@
-"""`dflash-queue run` with the extract lane on vLLM (vLLM's CPU build), for every family that build runs: dense
-(Qwen3, Llama), mixtures of experts (Qwen3-MoE; gpt-oss, with attention sinks), sliding windows (Mistral,
-gpt-oss). Every stored state equals the checkpoint's own forward over the sample alone within 1e-5 relative (float32; L2
-per layer over the sample, and 1e-4 over any single token), and the shards equal those the Transformers engine
-writes from the same completions.
+"""The extract lane on vLLM (vLLM's CPU build), for every family that build runs: dense (Qwen3, Llama), mixtures of
+experts (Qwen3-MoE; gpt-oss, with attention sinks), sliding windows (Mistral, gpt-oss). Every stored state equals
+the checkpoint's own forward over the sample alone within 1e-5 relative (float32; L2 per layer over the sample, and
+1e-4 over any single token), and the shards equal those the Transformers engine writes from the same completions.
+
+`dflash-queue run` runs the job end to end for dense Qwen3 and for gpt-oss (mixture of experts, sinks and sliding
+windows: the most a family asks of the engine); the other families run the same job through the same lanes in this
+process, one engine start each, without a broker and workers, whose part does not depend on the family.
 
 The shipped CPU config (worker_configs/local-cpu.toml) also runs its whole sample job with extract.engine = "vllm" in
-bfloat16, the dtype users run, one canary sample per shard as shipped: no canary mismatch, not even one re-checked.
+bfloat16, the dtype users run, one canary sample per shard as shipped: no canary mismatch, not even one re-checked;
+and with a KV cache no machine has, `run` names the root cause vLLM logged.
 
 What the CPU build cannot run, and where it is covered instead (tools/gpu_check.sh on a GPU):
   * Qwen3.5 (text-only and multimodal): vLLM's Qwen3.5 module imports torchvision, which the CPU build's
@@ -31,14 +35,18 @@ import tomli_w
 import torch
 
 from dflash_queue.config import load_config
+from dflash_queue.data.readers import read_dataset
+from dflash_queue.data.samples import Sample
 from dflash_queue.engines.state_checks import compare_states
 from dflash_queue.lanes.extract import ExtractLane, build_extractor, extract_lane_settings
+from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.shards.keys import shard_key, stored_shard_ids
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dflash_queue.training import ShardDataset
 from dfq_testing.configs import local_copy, tiny_config_tables, write_config
 from dfq_testing.families import FAMILIES, NUM_LAYERS
+from dfq_testing.jobs import first_lines, stage_samples
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.processes import TreeWatch, describe
 from dfq_testing.references import assert_each_sample_exact, reference_model
@@ -46,8 +54,10 @@ from dfq_testing.references import assert_each_sample_exact, reference_model
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-VLLM_FAMILIES = ["qwen3", "llama", "qwen3_moe", "mistral", "gpt_oss"]
+RUN_FAMILIES = ["qwen3", "gpt_oss"]
+IN_PROCESS_FAMILIES = ["llama", "qwen3_moe", "mistral"]
 SAMPLES = 12
+SHARD_SIZE = 6
 # vLLM prefills at most this many tokens a step: the samples (~35-75 tokens) are chunked over several steps.
 STEP_TOKENS = 32
 
@@ -58,8 +68,8 @@ def run_config(tmp_path: Path, model_path: Path, name: str, engine: str, storage
         tmp_path / f"{engine}.toml",
         tables,
         model={"path": str(model_path), "name": name, "dtype": "float32", "device": "cpu"},
-        dataset={"shard_size": 6, "thinking": "never"},
-        generate={"engine": "transformers", "batch_size": 6},
+        dataset={"shard_size": SHARD_SIZE, "thinking": "never"},
+        generate={"engine": "transformers", "batch_size": SHARD_SIZE},
         **{"generate.sampling": {"temperature": 0.0, "max_tokens": 24}},
         extract={
             "engine": engine,
@@ -85,13 +95,11 @@ def run_config(tmp_path: Path, model_path: Path, name: str, engine: str, storage
     )
 
 
-@pytest.mark.parametrize("name", VLLM_FAMILIES)
+@pytest.mark.parametrize("name", RUN_FAMILIES)
 def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, tiny_family, tmp_path):
     model_path = tiny_family(name)
     config_path = run_config(tmp_path, model_path, name, "vllm", tmp_path / "out")
-    dataset_file = tmp_path / "prompts.jsonl"
-    lines = (REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:SAMPLES]
-    dataset_file.write_text("\n".join(lines) + "\n")
+    dataset_file = first_lines(REPO / "examples" / "sharegpt_sample.jsonl", SAMPLES, tmp_path / "prompts.jsonl")
     process = subprocess.Popen(
         [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(config_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -116,6 +124,36 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
     assert re.search(r"vLLM extract engine on the CPU: KV cache [\d.]+ GiB per rank for 12 sequence\(s\) of 1024 "
                      r"tokens", worker_log)
 
+    assert_stored_states_exact_and_as_the_transformers_engines(tmp_path, model_path, name)
+
+
+@pytest.mark.parametrize("name", IN_PROCESS_FAMILIES)
+def test_the_vllm_extract_engine_stores_each_samples_own_states_through_the_lanes(name, tiny_family, tmp_path):
+    """The same job as `run`'s above, through the same generate and extract lanes in this process."""
+    model_path = tiny_family(name)
+    config = load_config(run_config(tmp_path, model_path, name, "vllm", tmp_path / "out"), env={})
+    storage = open_storage(config.storage)
+    samples = [s for s in read_dataset([REPO / "examples" / "sharegpt_sample.jsonl"], max_record_bytes=1 << 20)
+               if isinstance(s, Sample)][:SAMPLES]
+    shard_ids = [stage_samples(storage, samples[i : i + SHARD_SIZE]) for i in range(0, SAMPLES, SHARD_SIZE)]
+    generate = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
+    try:
+        for shard_id in shard_ids:
+            generate.run(shard_id)
+    finally:
+        generate.close()
+    extract = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)
+    try:
+        summaries = [extract.run(shard_id) for shard_id in shard_ids]
+    finally:
+        extract.close()
+    assert sum(s.num_samples for s in summaries) == SAMPLES
+    assert_stored_states_exact_and_as_the_transformers_engines(tmp_path, model_path, name)
+
+
+def assert_stored_states_exact_and_as_the_transformers_engines(tmp_path: Path, model_path: Path, name: str) -> None:
+    """The shards in tmp_path/out: every sample's states as the checkpoint's own forward over it alone, and the
+    shards as the Transformers engine writes them from the same completions."""
     dataset = ShardDataset(tmp_path / "out", hidden_dtype=torch.float32)
     assert len(dataset) == SAMPLES
     meta = dataset.shards[0].metadata
@@ -151,31 +189,27 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
         assert compare_states(got["hidden_states"], expected["hidden_states"]).worst <= 1e-5
 
 
-
 CPU_CONFIG = REPO / "worker_configs" / "local-cpu.toml"
 
 
-def test_run_says_why_the_vllm_engine_did_not_start_and_runs_once_the_setting_is_gone(tiny_model, tmp_path):
-    """The shipped CPU config with the extract lane on vLLM and a KV cache no machine has: the engine's processes
-    fail, the worker's error and `run`'s name the root cause vLLM logged (not "See root cause above"). Without the
-    setting (no cache size at all, as the config ships) the same job runs through."""
-    import tomllib
-
-    import tomli_w
-
-    from dfq_testing.configs import local_copy
-
+def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_not_start_then_raises_no_false_alarm(
+    tiny_model, tmp_path
+):
+    """worker_configs/local-cpu.toml as shipped (the whole sample job, one canary sample per shard, bfloat16 shards)
+    with extract.engine = "vllm" in bfloat16. With a KV cache no machine has, the engine's processes fail, and the
+    worker's error and `run`'s name the root cause vLLM logged (not "See root cause above"). With a cache that
+    fits (and vLLM's compiled graphs, as shipped), the same job runs through: every shard stored, each canary within its calibrated tolerance, and the
+    engine's states as the checkpoint's own at load."""
     path = local_copy(CPU_CONFIG, tmp_path, model=tiny_model, tokenizer=tiny_model, broker_url="")
     tables = tomllib.loads(path.read_text())
+    assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
     tables["extract"]["engine"] = "vllm"
-    tables["extract"]["vllm"] = {"kv_cache_memory_gib": 100000.0, "enforce_eager": True, "log_stats_interval_s": 0}
+    tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 100000.0, "enforce_eager": True,
+                                 "log_stats_interval_s": 0}
     path.write_text(tomli_w.dumps(tables))
-    dataset_file = tmp_path / "prompts.jsonl"
-    dataset_file.write_text("\n".join((REPO / "examples" / "sharegpt_sample.jsonl").read_text().splitlines()[:4]))
-    run = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(path)],
-        capture_output=True, text=True, timeout=900,
-    )
+    command = [sys.executable, "-m", "dflash_queue", "run", str(REPO / "examples" / "sharegpt_sample.jsonl"), "-c",
+               str(path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert run.returncode != 0
     error = next(line for line in run.stderr.splitlines() if line.startswith("Error: "))
     assert error.startswith(
@@ -183,31 +217,10 @@ def test_run_says_why_the_vllm_engine_did_not_start_and_runs_once_the_setting_is
         "memory on node 0"
     ), run.stderr[-4000:]
     assert "less than requested memory for kv (100000.0 GiB)" in error
-    del tables["extract"]["vllm"]["kv_cache_memory_gib"]
-    path.write_text(tomli_w.dumps(tables))
-    rerun = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "run", str(dataset_file), "-c", str(path)],
-        capture_output=True, text=True, timeout=900,
-    )
-    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-4000:]
-    assert "shards:            1 done, 0 failed" in rerun.stdout
 
-
-def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_raises_no_false_alarm(tiny_model, tmp_path):
-    """worker_configs/local-cpu.toml as shipped (the whole sample job, one canary sample per shard, bfloat16 shards)
-    with extract.engine = "vllm" in bfloat16: every shard stored, each canary within its calibrated tolerance, and
-    the engine's states as the checkpoint's own at load."""
-    path = local_copy(REPO / "worker_configs" / "local-cpu.toml", tmp_path, model=tiny_model, tokenizer=tiny_model,
-                      broker_url="")
-    tables = tomllib.loads(path.read_text())
-    assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
-    tables["extract"]["engine"] = "vllm"
     tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 1.0, "log_stats_interval_s": 0}
     path.write_text(tomli_w.dumps(tables))
-    run = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "run", str(REPO / "examples" / "sharegpt_sample.jsonl"), "-c", str(path)],
-        capture_output=True, text=True, timeout=1200,
-    )
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
     done = re.search(r"shards:\s+(\d+) done, 0 failed", run.stdout)
     assert done, run.stdout[-3000:]
