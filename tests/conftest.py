@@ -31,6 +31,16 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `-n N` (the default is two processes), one torch thread per process, in the test processes and the
+    workers and engines they start: the suite is half waits (processes starting, workers polling, timeouts
+    running out), which several processes overlap, and torch's threads in several processes on a machine with
+    few cores mostly spin against each other (on the 2-core dev machine, 2026-12-05: two processes of two threads
+    each were no faster than one process; two of one thread each took the suite from 44 to 28 min)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the test processes, read as torch loads
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if hasattr(config, "workerinput"):  # a test process of `pytest -n N`
         order_longest_first(items)
