@@ -198,8 +198,8 @@ def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_n
     """worker_configs/local-cpu.toml as shipped (the whole sample job, one canary sample per shard, bfloat16 shards)
     with extract.engine = "vllm" in bfloat16. With a KV cache no machine has, the engine's processes fail, and the
     worker's error and `run`'s name the root cause vLLM logged (not "See root cause above"). With a cache that
-    fits (and vLLM's compiled graphs, as shipped), the same job runs through: every shard stored, each canary within its calibrated tolerance, and the
-    engine's states as the checkpoint's own at load."""
+    fits (and vLLM's compiled graphs, as shipped), the same job runs through: every shard stored, each canary
+    within its calibrated tolerance, and the engine's states as the checkpoint's own at load."""
     path = local_copy(CPU_CONFIG, tmp_path, model=tiny_model, tokenizer=tiny_model, broker_url="")
     tables = tomllib.loads(path.read_text())
     assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
