@@ -96,7 +96,7 @@ def test_quick_run_reports_both_engines_side_by_side(tiny_family, tmp_path):
     assert 0 < float(worst) <= 1e-5
     assert int(samples) == 2 * 8 + 2  # the measured shards and the warm-up shard
 
-    assert close(report["ratio"], ratio, rel=2e-3)
+    assert close(report["ratio"], ratio, rel=2e-3, absolute=5e-4)  # the text prints 3 decimals
     assert f"{report['agreement']['worst_relative_error']:.3e}" == worst
     for engine in ("transformers", "vllm"):
         assert close(report["engines"][engine]["median_tokens_per_s"], medians[engine][0], absolute=0.1)
