@@ -50,6 +50,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
     return GroupScheduling(config, log)
 
 
+@pytest.fixture(scope="module")
+def vllm_engine_core_in_this_process() -> Iterator[None]:
+    """The module's vLLM engines run their engine core in the test's process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    for the modules that check what an engine computes: on the 2-core dev machine an engine starts in 8 s and
+    8 core-seconds instead of 20 s and 20 (vLLM imported once, not in three processes). The process layout
+    deployments run (the engine core and its worker in processes of their own, stopped with the worker) stays
+    under test in the worker, `run` and engine-lifecycle tests, which never ask for this."""
+    import gc
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+    # An engine core in this process froze its heap for the garbage collector and cached vLLM's environment
+    # variables: the next module starts from neither.
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    gc.unfreeze()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=True).start()
