@@ -21,6 +21,7 @@ from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
 from dfq_testing.scheduling import GroupScheduling, order_longest_first
 from dfq_testing.servers import VllmServers
 from dfq_testing.tiny_model import build_tiny_model
+from dfq_testing.vllm_in_process import engine_core_in_this_process
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,22 +53,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
 
 @pytest.fixture(scope="module")
 def vllm_engine_core_in_this_process() -> Iterator[None]:
-    """The module's vLLM engines run their engine core in the test's process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
-    for the modules that check what an engine computes: on the 2-core dev machine an engine starts in 8 s and
-    8 core-seconds instead of 20 s and 20 (vLLM imported once, not in three processes). The process layout
-    deployments run (the engine core and its worker in processes of their own, stopped with the worker) stays
-    under test in the worker, `run` and engine-lifecycle tests, which never ask for this."""
-    import gc
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """The module's vLLM engines run their engine core in the test's process (dfq_testing/vllm_in_process.py),
+    for the modules that check what an engine computes."""
+    with engine_core_in_this_process():
         yield
-    # An engine core in this process froze its heap for the garbage collector and cached vLLM's environment
-    # variables: the next module starts from neither.
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()
-    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")
