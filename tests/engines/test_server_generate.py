@@ -37,7 +37,6 @@ from dfq_testing.jobs import exactly_once_problems, first_lines
 from dfq_testing.polling import wait_for_states, wait_until
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.servers import MAX_MODEL_LEN, SERVED_NAME
-from dfq_testing.vllm_in_process import engine_core_in_this_process
 from dfq_testing.vocabularies import swapped_vocabulary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,8 +85,7 @@ def reference(tiny_model, tmp_path_factory, topic_requests, job_requests) -> dic
     tmp = tmp_path_factory.mktemp("reference")
     tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
     config = load_config(write_config(tmp / "vllm.toml", tables, **tiny_vllm_overrides(), **{"generate.sampling": SAMPLED}))
-    with engine_core_in_this_process():  # the servers keep vLLM's own layout
-        engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
+    engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
     try:
         sampled = engine.generate(topic_requests + job_requests)
         # The engine reads its sampling settings per request: the same engine, greedy.

@@ -22,7 +22,6 @@ from dflash_queue.engines.vllm_generate import (
 from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected
 from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
 from dfq_testing.processes import descendants, describe, survivors
-from dfq_testing.vllm_in_process import engine_core_in_this_process
 
 pytestmark = pytest.mark.vllm
 
@@ -46,8 +45,7 @@ def vllm_config(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(vllm_config):
-    with engine_core_in_this_process():  # test_close_stops_vllms_processes starts the deployed layout
-        engine = VllmGenerateEngine(vllm_config.model, vllm_config.generate.vllm, vllm_config.generate.sampling)
+    engine = VllmGenerateEngine(vllm_config.model, vllm_config.generate.vllm, vllm_config.generate.sampling)
     yield engine
     engine.close()
 
