@@ -172,12 +172,13 @@ def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_pa
     import time
 
     from dfq_testing.configs import tiny_config_tables, write_config
+    from dfq_testing.terminal import foreground_job
 
     tables = tiny_config_tables(tiny_model, tmp_path / "out", "", tmp_path / "state")
     config_path = write_config(tmp_path / "run.toml", tables, **{"generate.sampling": {"max_tokens": 400}})
     dataset = first_lines(SAMPLE, 50, tmp_path / "prompts.jsonl")
     command = [sys.executable, "-m", "dflash_queue", "run", str(dataset), "-c", str(config_path)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = foreground_job(command)
     generate_log = tmp_path / "state" / "logs" / "generate.log"
     deadline = time.monotonic() + 120
     while not (generate_log.exists() and "Task dfq.generate" in generate_log.read_text()):

@@ -17,6 +17,7 @@ from dflash_queue.shards.training import TrainingShard
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.jobs import first_lines
 from dfq_testing.polling import wait_until
+from dfq_testing.terminal import foreground_job
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -34,7 +35,7 @@ def slow_job(tiny_model: Path, tmp_path: Path, samples: int) -> tuple[list[str],
 
 def in_terminal(command: list[str]) -> subprocess.Popen:
     """As a shell starts a foreground job: a process group of its own, which the terminal's Ctrl-C signals."""
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return foreground_job(command, own_group=True)
 
 
 def wait_for_task(process: subprocess.Popen, log: Path) -> None:
