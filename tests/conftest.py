@@ -33,7 +33,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under `-n N` (the default is two processes), one torch thread per process, in the test processes and the
+    """Under `-n N` (the default is three processes), one torch thread per process, in the test processes and the
     workers and engines they start: the suite is half waits (processes starting, workers polling, timeouts
     running out), which several processes overlap, and torch's threads in several processes on a machine with
     few cores mostly spin against each other (on the 2-core dev machine, 2026-12-05: two processes of two threads
