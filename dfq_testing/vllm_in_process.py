@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import pytest
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
@@ -16,15 +17,11 @@ def engine_core_in_this_process() -> Iterator[None]:
     2-core dev machine a start costs 8 s and 8 core-seconds instead of 20 s and 20 (vLLM imported once, not in
     three processes). An engine may outlive the block. Deployments run the engine core and its model worker in
     processes of their own; the worker, `run`, tensor-parallel and engine-lifecycle tests keep that layout."""
-    previous = os.environ.get(MULTIPROCESSING_ENV)
-    os.environ[MULTIPROCESSING_ENV] = "0"
     try:
-        yield
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(MULTIPROCESSING_ENV, "0")
+            yield
     finally:
-        if previous is None:
-            os.environ.pop(MULTIPROCESSING_ENV, None)
-        else:
-            os.environ[MULTIPROCESSING_ENV] = previous
         # An engine core started here cached vLLM's environment variables and froze the garbage collector's heap:
         # engines started after the block read the environment afresh, and what the block left is collectable.
         import vllm.envs

@@ -33,11 +33,6 @@ def slow_job(tiny_model: Path, tmp_path: Path, samples: int) -> tuple[list[str],
         tmp_path / "state" / "logs" / "generate.log"
 
 
-def in_terminal(command: list[str]) -> subprocess.Popen:
-    """As a shell starts a foreground job: a process group of its own, which the terminal's Ctrl-C signals."""
-    return foreground_job(command, own_group=True)
-
-
 def wait_for_task(process: subprocess.Popen, log: Path) -> None:
     def started():
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -71,7 +66,7 @@ def all_samples_once(out: Path, count: int) -> None:
 
 def test_ctrl_c_lets_the_running_task_finish_on_a_live_broker_and_a_rerun_resumes(tiny_model, tmp_path):
     command, generate_log = slow_job(tiny_model, tmp_path, 8)
-    process = in_terminal(command)
+    process = foreground_job(command, own_group=True)
     wait_for_task(process, generate_log)
     started = started_processes(tmp_path / "state")
     assert set(started) == {"redis-server", "generate worker", "extract worker"}
@@ -97,7 +92,7 @@ def test_ctrl_c_lets_the_running_task_finish_on_a_live_broker_and_a_rerun_resume
 
 def test_a_second_run_of_the_job_is_refused_at_once_and_a_killed_ones_state_taken_over(tiny_model, tmp_path):
     command, generate_log = slow_job(tiny_model, tmp_path, 8)
-    first = in_terminal(command)
+    first = foreground_job(command, own_group=True)
     try:
         wait_for_task(first, generate_log)
         # Its generate worker paused mid-task, so the first run cannot finish while the second one starts.

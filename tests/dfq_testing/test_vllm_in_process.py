@@ -5,6 +5,7 @@ the block leaves them (EngineCore.__init__ calls enable_envs_cache and freeze_gc
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 
@@ -24,8 +25,6 @@ def test_the_block_restores_the_environment_and_undoes_what_an_engine_core_did(b
         vllm.envs.enable_envs_cache()  # what an engine core started here does
         gc.freeze()
     try:
-        import os
-
         assert os.environ.get(MULTIPROCESSING_ENV) == before
         assert not vllm.envs._is_envs_cache_enabled()
         assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is True  # read afresh
