@@ -119,7 +119,8 @@ class VllmServer:
             self.kill()
 
     def _signal(self, sig: int) -> None:
-        if self.process is not None and self.process.poll() is None:
+        # The group, even when its leader (the API process) has exited: its engine core may still be running.
+        if self.process is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
 
