@@ -176,7 +176,7 @@ def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_pa
 
     tables = tiny_config_tables(tiny_model, tmp_path / "out", "", tmp_path / "state")
     config_path = write_config(tmp_path / "run.toml", tables, **{"generate.sampling": {"max_tokens": 400}})
-    dataset = first_lines(SAMPLE, 50, tmp_path / "prompts.jsonl")
+    dataset = first_lines(SAMPLE, 24, tmp_path / "prompts.jsonl")
     command = [sys.executable, "-m", "dflash_queue", "run", str(dataset), "-c", str(config_path)]
     process = foreground_job(command)
     generate_log = tmp_path / "state" / "logs" / "generate.log"
@@ -198,7 +198,7 @@ def test_ctrl_c_stops_everything_and_a_rerun_finishes_the_job(tiny_model, tmp_pa
     rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     shards = sorted((tmp_path / "out" / "shards").glob("*.safetensors"))
-    assert len(shards) == 7
+    assert len(shards) == 3
     ids = [i for path in shards for i in TrainingShard(path).sample_ids]
     ids += [d["id"] for path in shards for d in TrainingShard(path).dropped]
-    assert len(ids) == len(set(ids)) == 50
+    assert len(ids) == len(set(ids)) == 24

@@ -3,9 +3,10 @@ experts (Qwen3-MoE; gpt-oss, with attention sinks), sliding windows (Mistral, gp
 the checkpoint's own forward over the sample alone within 1e-5 relative (float32; L2 per layer over the sample, and
 1e-4 over any single token), and the shards equal those the Transformers engine writes from the same completions.
 
-`dflash-queue run` runs the job end to end for dense Qwen3 and for gpt-oss (mixture of experts, sinks and sliding
-windows: the most a family asks of the engine); the other families run the same job through the same lanes in this
-process, one engine start each, without a broker and workers, whose part does not depend on the family.
+`dflash-queue run` runs the job end to end for gpt-oss (mixture of experts, sinks and sliding windows: the most a
+family asks of the engine); the other families run the same job through the same lanes in this process, one engine
+start each, without a broker and workers, whose part does not depend on the family. Dense Qwen3 also runs through
+`run` in the shipped CPU config's test below, in bfloat16.
 
 The shipped CPU config (worker_configs/local-cpu.toml) also runs its whole sample job with extract.engine = "vllm" in
 bfloat16, the dtype users run, one canary sample per shard as shipped: no canary mismatch, not even one re-checked;
@@ -54,8 +55,8 @@ from dfq_testing.references import assert_each_sample_exact, reference_model
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
-RUN_FAMILIES = ["qwen3", "gpt_oss"]
-IN_PROCESS_FAMILIES = ["llama", "qwen3_moe", "mistral"]
+RUN_FAMILIES = ["gpt_oss"]
+IN_PROCESS_FAMILIES = ["qwen3", "llama", "qwen3_moe", "mistral"]
 SAMPLES = 12
 SHARD_SIZE = 6
 # vLLM prefills at most this many tokens a step: the samples (~35-75 tokens) are chunked over several steps.
@@ -205,12 +206,16 @@ def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_n
     tables = tomllib.loads(path.read_text())
     assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
     tables["extract"]["engine"] = "vllm"
-    tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 100000.0, "enforce_eager": True,
-                                 "log_stats_interval_s": 0}
-    path.write_text(tomli_w.dumps(tables))
-    command = [sys.executable, "-m", "dflash_queue", "run", str(REPO / "examples" / "sharegpt_sample.jsonl"), "-c",
-               str(path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    # The start that fails: one shard's prompts, a run of its own (state and storage apart from the job below).
+    failing = tomllib.loads(tomli_w.dumps(tables))
+    failing["run"]["state_dir"], failing["storage"]["url"] = str(tmp_path / "failing-state"), str(tmp_path / "failing")
+    failing["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 100000.0, "enforce_eager": True,
+                                  "log_stats_interval_s": 0}
+    failing_path = tmp_path / "failing.toml"
+    failing_path.write_text(tomli_w.dumps(failing))
+    prompts = first_lines(REPO / "examples" / "sharegpt_sample.jsonl", 8, tmp_path / "prompts.jsonl")
+    run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(failing_path)],
+                         capture_output=True, text=True, timeout=900)
     assert run.returncode != 0
     error = next(line for line in run.stderr.splitlines() if line.startswith("Error: "))
     assert error.startswith(
@@ -221,6 +226,8 @@ def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_n
 
     tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 1.0, "log_stats_interval_s": 0}
     path.write_text(tomli_w.dumps(tables))
+    command = [sys.executable, "-m", "dflash_queue", "run", str(REPO / "examples" / "sharegpt_sample.jsonl"), "-c",
+               str(path)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
     done = re.search(r"shards:\s+(\d+) done, 0 failed", run.stdout)
