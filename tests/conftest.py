@@ -37,9 +37,13 @@ def pytest_configure(config: pytest.Config) -> None:
     workers and engines they start: the suite is half waits (processes starting, workers polling, timeouts
     running out), which several processes overlap, and torch's threads in several processes on a machine with
     few cores mostly spin against each other (on the 2-core dev machine, 2026-12-05: two processes of two threads
-    each were no faster than one process; two of one thread each took the suite from 44 to 28 min)."""
+    each were no faster than one process; two of one thread each took the suite from 44 to 28 min). vLLM's CPU
+    workers would bind a thread to each core (VLLM_CPU_OMP_THREADS_BIND=auto) whatever OMP_NUM_THREADS says:
+    "nobind" keeps them at one unbound thread too (the gpt-oss `run` test alone: 92 core-seconds bound, 79 not).
+    Tests of the binding itself set or remove the variable."""
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the test processes, read as torch loads
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
