@@ -82,10 +82,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen3")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
-    """`vllm serve` processes of the tiny model on loopback (at most two a session, each started when a test first
-    asks for it: `vllm_servers.get(0)`), shared by the inference-server engine's tests."""
+    """`vllm serve` processes of the tiny model on loopback (at most two a module, each started when a test first
+    asks for it: `vllm_servers.get(0)`), shared by a module's inference-server tests and stopped after them."""
     servers = VllmServers(tiny_model, tmp_path_factory.mktemp("vllm-servers"))
     yield servers
     servers.stop_all()
