@@ -23,6 +23,7 @@ What the CPU build cannot run, and where it is covered instead (tools/gpu_check.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -207,7 +208,7 @@ def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_n
     assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
     tables["extract"]["engine"] = "vllm"
     # The start that fails: one shard's prompts, a run of its own (state and storage apart from the job below).
-    failing = tomllib.loads(tomli_w.dumps(tables))
+    failing = copy.deepcopy(tables)
     failing["run"]["state_dir"], failing["storage"]["url"] = str(tmp_path / "failing-state"), str(tmp_path / "failing")
     failing["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 100000.0, "enforce_eager": True,
                                   "log_stats_interval_s": 0}

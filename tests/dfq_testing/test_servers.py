@@ -4,10 +4,10 @@ does not."""
 from __future__ import annotations
 
 import sys
-import time
 
 import psutil
 
+from dfq_testing.polling import wait_until
 from dfq_testing.servers import VllmServer
 
 # An API process that exits on SIGTERM, and an "engine core" in its group that ignores SIGTERM.
@@ -28,11 +28,13 @@ class StubbornServer(VllmServer):
 def test_stop_kills_an_engine_core_that_outlives_its_api_process(tmp_path):
     server = StubbornServer(tmp_path / "model", tmp_path / "server.log")
     server.start(wait=False)
-    deadline = time.monotonic() + 60
-    while (lines := server.log.read_text().split()).count("core") == 0:
-        assert time.monotonic() < deadline, server.log.read_text()
-        time.sleep(0.1)
-    core = psutil.Process(int(lines[0]))
+
+    def core_started() -> int | None:
+        words = server.log.read_text().split()  # the core's pid and its "core", in either order
+        pids = [int(word) for word in words if word.isdigit()]
+        return pids[0] if pids and "core" in words else None
+
+    core = psutil.Process(wait_until(core_started, 60, "the stand-in engine core"))
     try:
         server.stop(timeout=2)
         assert server.process.poll() is not None
