@@ -75,6 +75,7 @@ CANARY_PARAM = "canary"
 # Suffixes of the file left beside a states file that could not be written: an I/O failure (retried), or another.
 IO_ERROR_SUFFIX = ".ioerror"
 ERROR_SUFFIX = ".error"
+PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when whole
 
 
 def states_file(transfer_dir: str, request_id: str) -> str:
@@ -398,7 +399,7 @@ def _write_states(
     """The file appears whole or not at all; a failure leaves `<path>.ioerror` (the file system refused it: full,
     failing) or `<path>.error` (anything else) with the reason. `fail_with`: an errno to fail with (test fault)."""
     global _files_written
-    partial = f"{path}.partial"
+    partial = f"{path}{PARTIAL_SUFFIX}"
     try:
         if fail_with:
             raise OSError(fail_with, os.strerror(fail_with), partial)
@@ -419,14 +420,18 @@ def _is_io_error(exc: Exception) -> bool:
 
 
 def _write_error(path: str, message: str, *, io_error: bool = False) -> None:
-    """`<path>.ioerror` or `<path>.error` holding `message`. A file system too full for the message still gets
-    the (empty) file: its name alone tells the worker what happened."""
+    """`<path>.ioerror` or `<path>.error` holding `message`, renamed into place once written (the worker reads the
+    file as soon as its name appears). A file system too full for the message still gets the (empty) file: its
+    name alone tells the worker what happened."""
     log.error("%s", message)
+    marker = f"{path}{IO_ERROR_SUFFIX if io_error else ERROR_SUFFIX}"
+    partial = f"{marker}{PARTIAL_SUFFIX}"
     try:
-        with open(f"{path}{IO_ERROR_SUFFIX if io_error else ERROR_SUFFIX}", "w") as out:
-            try:
-                out.write(message)
-            except OSError:
-                pass
+        with open(partial, "w") as out:
+            out.write(message)
+    except OSError:
+        pass  # too full for the message (the file may still have been made): its name says enough
+    try:
+        os.replace(partial, marker)
     except OSError:
         log.exception("cannot leave the error beside %s", path)

@@ -145,6 +145,42 @@ def test_states_arrive_when_their_file_appears_whole_or_fail_with_the_connectors
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("room", ["room for the reason", "too full for the reason"])
+def test_the_connectors_error_file_appears_only_once_its_reason_is_in_it(tmp_path, monkeypatch, room):
+    """The worker reads `<name>.ioerror` the moment its name appears (StatesArrivals): were the file made under its
+    own name and then written, the worker could read it empty and lose the reason. While the reason is written, no
+    file of that name is there; a file system too full for the reason still gets the (empty) file."""
+    from dflash_queue.engines import vllm_states_connector as connector
+
+    path = str(tmp_path / "c0.3.safetensors")
+    reason = f"writing {path} failed: OSError: [Errno 28] No space left on device"
+    seen_while_writing: list[list[str]] = []
+    real_open = open
+
+    class Watched:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def write(self, text):
+            seen_while_writing.append(sorted(os.listdir(tmp_path)))
+            if room == "too full for the reason":
+                raise OSError(28, "No space left on device")
+            return self.file.write(text)
+
+    monkeypatch.setattr(connector, "open", lambda *args, **kwargs: Watched(real_open(*args, **kwargs)), raising=False)
+    connector._write_error(path, reason, io_error=True)
+    assert seen_while_writing and all("c0.3.safetensors.ioerror" not in names for names in seen_while_writing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c0.3.safetensors.ioerror"]
+    expected = reason if room == "room for the reason" else ""
+    assert (tmp_path / "c0.3.safetensors.ioerror").read_text() == expected
+
+
 def test_the_transfer_directory_must_hold_the_tasks_in_flight(make_config, tmp_path):
     """One maximal sequence's states for each task in flight, measured on the directory's file system (a container's
     /dev/shm is 64 MB unless --shm-size says otherwise): else the worker refuses to start, naming the fixes."""
