@@ -7,6 +7,7 @@ following the run (dflash_queue.live.LiveShards) connects to the run's server, a
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,8 +35,12 @@ def private_server(run: RunConfig, broker: BrokerConfig) -> RedisServer:
 
 
 def record_url(directory: Path, url: str) -> None:
-    """`run`: the URL of its private server, for the commands above while it runs."""
-    (directory / URL_FILE).write_text(url + "\n", encoding="utf-8")
+    """`run`: the URL of its private server, for the commands above while it runs; renamed into place whole, since
+    a trainer waiting for the run reads the file the moment it appears."""
+    path = directory / URL_FILE
+    partial = path.with_name(f".{URL_FILE}.{os.getpid()}.partial")
+    partial.write_text(url + "\n", encoding="utf-8")
+    os.replace(partial, path)
 
 
 def forget_url(directory: Path) -> None:

@@ -4,6 +4,7 @@ broker.url: through its private redis-server while it is up, through its data in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,39 @@ def test_while_the_run_is_up_its_server_answers(make_config):
         listed = invoke("dead", "list", "--json", "-c", config.source)
         forget_url(server.directory)
     assert listed.exit_code == 0 and [r["shard_id"] for r in json.loads(listed.stdout)] == ["live"]
+
+
+def test_the_url_file_appears_only_with_the_whole_url_in_it(tmp_path, monkeypatch):
+    """A trainer started with the run polls for broker.url (running_broker): a file made under its own name and then
+    written could be read empty or cut short. While the URL is written, no file of that name is there."""
+    import pathlib
+
+    url = "redis://127.0.0.1:51234/0"
+    seen_while_writing: list[list[str]] = []
+    real_open = pathlib.Path.open
+
+    class Watched:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def write(self, text):
+            seen_while_writing.append(sorted(os.listdir(tmp_path)))
+            return self.file.write(text)
+
+    monkeypatch.setattr(pathlib.Path, "open", lambda self, *args, **kwargs: Watched(real_open(self, *args, **kwargs)))
+    record_url(tmp_path, url)
+    monkeypatch.undo()
+    assert seen_while_writing and all("broker.url" not in names for names in seen_while_writing)
+    assert sorted(os.listdir(tmp_path)) == ["broker.url"]
+    assert (tmp_path / "broker.url").read_text() == url + "\n"
+    forget_url(tmp_path)
+    assert os.listdir(tmp_path) == []
 
 
 def test_no_broker_and_no_run_data_is_said_without_a_traceback(make_config):
