@@ -34,10 +34,12 @@ UNROUTABLE = "http://127.0.0.1:9"
 
 
 def offline(env: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
-    """The environment with no way to a registry or a hub: no pip configuration or index, proxies that refuse."""
+    """The environment with no way to a registry or a hub: no pip configuration or index, proxies that refuse. Python
+    writes bytecode, as on the GPU image (this machine's PYTHONDONTWRITEBYTECODE is dropped)."""
     base = env if env is not None else dict(os.environ)
     out = {k: v for k, v in base.items()
-           if not k.startswith("PIP_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+           if not k.startswith("PIP_")
+           and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
     out.update(PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                no_proxy="", NO_PROXY="")
     for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "all_proxy"):
@@ -65,7 +67,8 @@ def image_python() -> Path:
     """A venv with only the GPU image's packages, installed offline from a wheelhouse (filled once from pip's
     configured sources: this machine's wheel cache and local index), kept in .cache/gpu-check keyed by what it
     holds. Torch is this environment's own install of the same release and build, linked in rather than unpacked
-    and compiled again (most of the venv's size and of the time it takes to make)."""
+    and compiled again; the rest is not compiled at install (most of the time it took to make): the check's first
+    step to import a module compiles it, once (`offline` lets Python write bytecode, as the image's does)."""
     key = hashlib.sha256(json.dumps([IMAGE, sys.version_info[:2]]).encode()).hexdigest()[:12]
     root = CACHE / f"image-venv-{key}"
     python = root / "bin" / "python"
@@ -112,7 +115,8 @@ def site_packages_dir(python: Path) -> str:
 
 
 def site_packages(python: Path) -> list[str]:
-    return sorted(os.listdir(site_packages_dir(python)))
+    """What is installed in `python`'s site-packages (not the bytecode Python writes as it imports)."""
+    return sorted(name for name in os.listdir(site_packages_dir(python)) if name != "__pycache__")
 
 
 def positive(value: object) -> bool:
