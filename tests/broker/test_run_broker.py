@@ -17,6 +17,7 @@ from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.broker.run_broker import forget_url, private_broker_dir, private_server, record_url
 from dflash_queue.cli import main
 from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
+from dfq_testing.writes import WriteWatch
 
 REPO = Path(__file__).resolve().parents[2]
 DATASET = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -65,27 +66,12 @@ def test_the_url_file_appears_only_with_the_whole_url_in_it(tmp_path, monkeypatc
     import pathlib
 
     url = "redis://127.0.0.1:51234/0"
-    seen_while_writing: list[list[str]] = []
+    watch = WriteWatch(tmp_path)
     real_open = pathlib.Path.open
-
-    class Watched:
-        def __init__(self, file):
-            self.file = file
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def write(self, text):
-            seen_while_writing.append(sorted(os.listdir(tmp_path)))
-            return self.file.write(text)
-
-    monkeypatch.setattr(pathlib.Path, "open", lambda self, *args, **kwargs: Watched(real_open(self, *args, **kwargs)))
+    monkeypatch.setattr(pathlib.Path, "open", lambda self, *args, **kwargs: watch.wrap(real_open(self, *args, **kwargs)))
     record_url(tmp_path, url)
     monkeypatch.undo()
-    assert seen_while_writing and all("broker.url" not in names for names in seen_while_writing)
+    assert watch.listings and all("broker.url" not in names for names in watch.listings)
     assert sorted(os.listdir(tmp_path)) == ["broker.url"]
     assert (tmp_path / "broker.url").read_text() == url + "\n"
     forget_url(tmp_path)

@@ -5,6 +5,7 @@ and the gate that lets a canary rerun have the engine alone."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from dflash_queue.engines.vllm_extract import (
 )
 from dflash_queue.errors import EngineStatesInvalid, StatesHandOverFailed
 from dflash_queue.lanes.extract import vllm_extract_settings
+from dfq_testing.writes import WriteWatch
 
 
 def test_engine_arguments_force_what_extraction_needs(make_config, monkeypatch):
@@ -154,28 +156,12 @@ def test_the_connectors_error_file_appears_only_once_its_reason_is_in_it(tmp_pat
 
     path = str(tmp_path / "c0.3.safetensors")
     reason = f"writing {path} failed: OSError: [Errno 28] No space left on device"
-    seen_while_writing: list[list[str]] = []
+    watch = WriteWatch(tmp_path, fail_with=errno.ENOSPC if room == "too full for the reason" else None)
     real_open = open
-
-    class Watched:
-        def __init__(self, file):
-            self.file = file
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return self.file.__exit__(*exc)
-
-        def write(self, text):
-            seen_while_writing.append(sorted(os.listdir(tmp_path)))
-            if room == "too full for the reason":
-                raise OSError(28, "No space left on device")
-            return self.file.write(text)
-
-    monkeypatch.setattr(connector, "open", lambda *args, **kwargs: Watched(real_open(*args, **kwargs)), raising=False)
+    monkeypatch.setattr(connector, "open", lambda *args, **kwargs: watch.wrap(real_open(*args, **kwargs)),
+                        raising=False)
     connector._write_error(path, reason, io_error=True)
-    assert seen_while_writing and all("c0.3.safetensors.ioerror" not in names for names in seen_while_writing)
+    assert watch.listings and all("c0.3.safetensors.ioerror" not in names for names in watch.listings)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c0.3.safetensors.ioerror"]
     expected = reason if room == "room for the reason" else ""
     assert (tmp_path / "c0.3.safetensors.ioerror").read_text() == expected
