@@ -96,6 +96,8 @@ def key_error(key: str, message: str) -> PydanticCustomError:
 def check_engine_args(engine_args: Mapping[str, Any], refused: Mapping[str, str]) -> None:
     """Raise `key_error` for the first key the project sets itself, that vLLM does not know, or whose value does
     not have the argument's type."""
+    if not engine_args:
+        return  # nothing to check: vLLM, slow to import, stays unimported in processes that never start it
     for key in engine_args:
         if key in refused:
             raise key_error(key, f"not settable here: {refused[key]}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -145,3 +147,21 @@ def test_without_vllm_only_the_refusals_are_checked(monkeypatch):
     vllm_args.check_engine_args({"anything": 1}, vllm_args.GENERATE_REFUSED)
     with pytest.raises(Exception, match="not settable here"):
         vllm_args.check_engine_args({"model": "x"}, vllm_args.GENERATE_REFUSED)
+
+
+def test_a_config_without_engine_args_loads_without_importing_vllm(tiny_model, tmp_path):
+    """vLLM takes seconds to import: a command or worker that never starts it (`run`, `status`, a Transformers
+    worker) does not import it to check engine arguments it was not given, even when the config is validated again
+    with overrides (what `run` does with its private broker's URL)."""
+    tables = tiny_config_tables(tiny_model, tmp_path / "storage", "", tmp_path / "state")
+    path = write_config(tmp_path / "plain.toml", tables)
+    script = (
+        "import sys\n"
+        "from dflash_queue.config import load_config\n"
+        f"config = load_config({str(path)!r}, env={{}})\n"
+        "config.with_overrides(broker={'url': 'redis://127.0.0.1:1/0'})\n"
+        "print('vllm' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "False"
