@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -50,45 +53,50 @@ def wait_until_one(ledger: Ledger, shard_ids: list[str], state: str, worker) -> 
         time.sleep(0.1)
 
 
-def reference_generations(tiny_model: Path, samples: list[Sample], monkeypatch) -> dict[str, object]:
-    """The same requests through a separate, plain vLLM `LLM` in this process, with the same sampling."""
-    # The engine core runs in its own (spawned) process: vLLM's CPU build scans every loaded module when it
-    # registers its kernels, and trips over proxies of modules this test process has loaded (Flask's, via the
-    # S3 test server).
-    from vllm import LLM, SamplingParams, TokensPrompt
+REFERENCE = """
+import json, sys
+from vllm import LLM, SamplingParams, TokensPrompt
 
+def main():
+    requests = json.load(sys.stdin)
+    llm = LLM(model=sys.argv[1], dtype="float32", max_model_len=1024, enforce_eager=True, kv_cache_memory_bytes=2**30,
+              enable_chunked_prefill=False, disable_log_stats=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in requests],
+                           [SamplingParams(**r["sampling"]) for r in requests], use_tqdm=False)
+    print(json.dumps([{"prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
+                       "finish_reason": o.outputs[0].finish_reason} for o in outputs]))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def reference_generations(tiny_model: Path, samples: list[Sample]) -> dict[str, dict]:
+    """The same requests through a separate, plain vLLM `LLM` with the same sampling, in a process of its own with
+    its engine core inside (one process importing vLLM, not three): this test's process may hold proxies of modules
+    (Flask's, via the S3 test server) that vLLM's CPU build trips over when it registers its kernels."""
     formatter = ChatFormatter(AutoTokenizer.from_pretrained(tiny_model))
-    llm = LLM(
-        model=str(tiny_model),
-        dtype="float32",
-        max_model_len=1024,
-        enforce_eager=True,
-        kv_cache_memory_bytes=2**30,
-        enable_chunked_prefill=False,
-        disable_log_stats=True,
+    requests = [
+        {
+            "prompt_ids": formatter.prompt_ids(s.messages, enable_thinking=s.thinking),
+            "sampling": {
+                "temperature": SAMPLING["temperature"], "top_p": SAMPLING["top_p"], "top_k": SAMPLING["top_k"],
+                "max_tokens": SAMPLING["max_tokens"], "seed": request_seed(SAMPLING["seed"], s.id),
+            },
+        }
+        for s in samples
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", REFERENCE, str(tiny_model)], input=json.dumps(requests), capture_output=True,
+        text=True, timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
-    try:
-        outputs = llm.generate(
-            [TokensPrompt(prompt_token_ids=formatter.prompt_ids(s.messages, enable_thinking=s.thinking)) for s in samples],
-            [
-                SamplingParams(
-                    temperature=SAMPLING["temperature"],
-                    top_p=SAMPLING["top_p"],
-                    top_k=SAMPLING["top_k"],
-                    max_tokens=SAMPLING["max_tokens"],
-                    seed=request_seed(SAMPLING["seed"], s.id),
-                )
-                for s in samples
-            ],
-            use_tqdm=False,
-        )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    assert done.returncode == 0, done.stderr[-4000:]
+    outputs = json.loads(done.stdout.strip().splitlines()[-1])
     return {sample.id: output for sample, output in zip(samples, outputs, strict=True)}
 
 
 def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
-    make_config, redis_url, start_worker, tmp_path, tiny_model, monkeypatch
+    make_config, redis_url, start_worker, tmp_path, tiny_model
 ):
     # The quality gate flags but neither drops nor retries: every reply stays exactly what vLLM first generated.
     config = make_config(
@@ -129,7 +137,7 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
     samples = [s for s in read_dataset([dataset], max_record_bytes=1 << 20) if isinstance(s, Sample)]
     formatter = ChatFormatter(AutoTokenizer.from_pretrained(tiny_model))
     template_ids = {s.id: formatter.prompt_ids(s.messages, enable_thinking=s.thinking) for s in samples}
-    expected = reference_generations(tiny_model, samples, monkeypatch)
+    expected = reference_generations(tiny_model, samples)
     finish_reasons = set()
     for shard_id in report.shard_ids:
         records = decode_completions(storage.read_bytes(completions_key(shard_id)), what=shard_id)
@@ -138,9 +146,9 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
             assert [shard[i].id for i in range(len(shard))] == [r.id for r in records]
             for index, record in enumerate(records):
                 reference = expected[record.id]
-                assert record.prompt_ids == template_ids[record.id] == list(reference.prompt_token_ids)
-                assert record.completion_ids == list(reference.outputs[0].token_ids), record.id
-                assert record.finish_reason == reference.outputs[0].finish_reason
+                assert record.prompt_ids == template_ids[record.id] == reference["prompt_token_ids"]
+                assert record.completion_ids == reference["token_ids"], record.id
+                assert record.finish_reason == reference["finish_reason"]
                 item = shard[index]
                 assert item.input_ids.tolist() == record.prompt_ids + record.completion_ids
                 assert item.loss_mask.tolist() == [0] * len(record.prompt_ids) + [1] * len(record.completion_ids)
