@@ -464,6 +464,12 @@ SETTINGS = ("device", "dtype", "hidden_dtype", "layers", "layer_ids", "shards", 
             "token_budget", "max_model_len", "kv_cache_gib", "tensor_parallel_size", "rounds", "canary_samples")
 
 
+def engine_order(engines: list[str], round_number: int) -> list[str]:
+    """The engines in the order a round runs them: as given in odd rounds, reversed in even ones, so that neither
+    always runs on the machine the other has just warmed (page cache, allocator, CPU frequency)."""
+    return list(engines) if round_number % 2 else list(reversed(engines))
+
+
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
@@ -623,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
         reference: dict[str, Any] | None = None
         text = read_text_config(model)
         for number in range(1, args.rounds + 1):
-            order = list(args.engines) if number % 2 else list(reversed(args.engines))
+            order = engine_order(args.engines, number)
             load, this = os.getloadavg()[0], {}
             for engine in order:
                 this[engine] = result = run_engine(args, model, work, engine, number)
