@@ -85,7 +85,7 @@ def doctor(
     tokenizer_dir: Path | None,
 ) -> None:
     """Preflight checks of this node for CONFIG, one per line; exits 1 if any fails."""
-    from dflash_queue.doctor import run_doctor
+    from dflash_queue.doctor.preflight import run_doctor
 
     config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
     checks = run_doctor(

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_queue.doctor import memory_utilization, run_doctor
 from dflash_queue.doctor.disk import check_free_disk
 from dflash_queue.doctor.gpu import GIB, GpuInfo
+from dflash_queue.doctor.preflight import memory_utilization, run_doctor
 
 
 def doctor(config) -> subprocess.CompletedProcess:
@@ -81,7 +81,7 @@ def test_a_missing_directory_this_user_cannot_create_fails(tmp_path, monkeypatch
 
 
 def test_doctor_reports_the_configured_staging_directory(make_config, tmp_path):
-    from dflash_queue.doctor import writable_dirs
+    from dflash_queue.doctor.preflight import writable_dirs
 
     config = make_config(storage={"uploader": {"staging_dir": str(tmp_path / "fast-disk" / "staging")}})
     assert writable_dirs(config.run, config.storage, config.staging_dir)["staging"] == tmp_path / "fast-disk" / "staging"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dflash_queue.config import load_config
-from dflash_queue.doctor import run_doctor
 from dflash_queue.doctor.extract_states import NAME, check_extract_states
+from dflash_queue.doctor.preflight import run_doctor
 from dflash_queue.errors import UnsupportedArchitecture
 from dfq_testing.configs import local_copy
 

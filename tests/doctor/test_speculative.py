@@ -11,7 +11,7 @@ import pytest
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from dflash_queue.doctor import run_doctor
+from dflash_queue.doctor.preflight import run_doctor
 from dflash_queue.doctor.speculative import check_speculative, declared_mtp_layers, mtp_weights
 
 pytestmark = pytest.mark.vllm  # engine_args are checked against the installed vLLM

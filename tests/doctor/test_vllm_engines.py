@@ -11,8 +11,8 @@ from transformers import AutoConfig, GptOssConfig
 
 import dflash_queue.doctor.vllm_engines as vllm_engines
 from dflash_queue.config import load_config
-from dflash_queue.doctor import memory_utilization, run_doctor
 from dflash_queue.doctor.gpu import GIB, GpuInfo
+from dflash_queue.doctor.preflight import memory_utilization, run_doctor
 from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
 from dflash_queue.engines.vllm_support import FORCED_SETTINGS, transfer_bytes
