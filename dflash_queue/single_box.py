@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_queue.broker.run_broker import forget_url, private_server, record_url
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
-from dflash_queue.lanes.canaries import canary_notes
+from dflash_queue.lanes.canary_notes import canary_notes
 from dflash_queue.lanes.registry import FINAL_LANE, LANES
 from dflash_queue.producer import Producer
 from dflash_queue.prompt_staging import EnqueueReport, checked_formatter

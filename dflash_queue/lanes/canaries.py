@@ -258,13 +258,3 @@ def _window_canary(
     if recheck is not None:
         window["recheck"] = recheck
     return window
-
-
-def canary_notes(untestable: int, window: int) -> str:
-    """What the canary could not check, and how often it checked past the model's window."""
-    notes = ""
-    if untestable:
-        notes += f"; {untestable:,} shard(s) untestable (no sample followed another in its pass)"
-    if window:
-        notes += f"; {window:,} past the window"
-    return notes

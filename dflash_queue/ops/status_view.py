@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dflash_queue.lanes.canaries import canary_notes
+from dflash_queue.lanes.canary_notes import canary_notes
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
 from dflash_queue.ops.live_status import LiveStatus

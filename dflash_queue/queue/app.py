@@ -3,6 +3,8 @@ registry (dflash_queue.lanes.registry)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from celery import Celery
 from kombu import Exchange, Queue
 
@@ -10,7 +12,9 @@ from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
 from dflash_queue.lanes.registry import FIRST_LANE, LANES
 from dflash_queue.queue.config import BrokerConfig
-from dflash_queue.queue.runtime import WorkerRuntime
+
+if TYPE_CHECKING:  # a worker's runtime holds its engines: a command that only reads the broker never imports it
+    from dflash_queue.queue.runtime import WorkerRuntime
 
 
 class LaneApp(Celery):
