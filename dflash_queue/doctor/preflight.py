@@ -129,4 +129,3 @@ def _build_generate_engine(config: Config) -> Any:
     from dflash_queue.lanes.generate import build_generate_engine
 
     return build_generate_engine(config)
-
