@@ -7,9 +7,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from celery import Celery
+
+
+class ChildProcess(Protocol):
+    """What a worker's launcher uses of `subprocess.Popen`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 class WorkerProcess:
@@ -24,9 +39,11 @@ class WorkerProcess:
         extra_args: tuple[str, ...] = (),
         prefix: tuple[str, ...] = (),
         module: str = "dflash_queue",
+        popen: Callable[..., ChildProcess] = subprocess.Popen,
     ) -> None:
         """`prefix`: a command the worker runs under (e.g. `setpriv ...`); `module`: what `python -m` runs (the
-        test harness's `dfq_testing.faulty_worker` installs injected faults first)."""
+        test harness's `dfq_testing.faulty_worker` installs injected faults first); `popen`: what starts it (the
+        harness's forks the process from one that has imported the worker's libraries already)."""
         self.lane = lane
         self.log_path = log_path
         self.hostname = hostname
@@ -35,7 +52,7 @@ class WorkerProcess:
         args = [*prefix, sys.executable, "-m", module, "worker", lane, "-c", str(config_path), *extra_args]
         if hostname:
             args += ["--hostname", hostname]
-        self.process = subprocess.Popen(
+        self.process: ChildProcess = popen(
             args,
             env=env,
             stdout=self._log,
