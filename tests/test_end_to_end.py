@@ -22,6 +22,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
+from dfq_testing.commands import dflash_queue
 from dfq_testing.jobs import first_lines
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states
@@ -134,10 +135,8 @@ def test_run_command_does_the_whole_job_on_one_box(tiny_model, tmp_path):
 
     # After the run, the commands that read the broker answer from its private broker's data (no broker.url).
     assert not (aof / "broker.url").exists()  # the run's URL is forgotten when its server stops
-    verified = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "verify", str(dataset), "-c", str(config_path)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "DFQ_STORAGE_URL": str(out)},
-    )
+    verified = dflash_queue("verify", dataset, "-c", config_path, timeout=300,
+                            env={**os.environ, "DFQ_STORAGE_URL": str(out)})
     assert verified.returncode == 0, verified.stdout + verified.stderr[-3000:]
     assert "missing: 0" in verified.stdout and "duplicated: 0" in verified.stdout
 

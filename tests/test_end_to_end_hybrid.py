@@ -14,6 +14,7 @@ import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
 from dflash_queue.training import ShardDataset
+from dfq_testing.commands import dflash_queue
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.references import reference_states
@@ -65,10 +66,7 @@ def test_a_hybrid_multimodal_checkpoint_runs_end_to_end(tiny_family, tmp_path):
         scale = float(want.abs().max())
         torch.testing.assert_close(item["hidden_states"].float(), want, rtol=2**-7, atol=1e-5 * scale)
 
-    exported = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "export", str(out), "--format", "speculators", str(tmp_path / "hs")],
-        capture_output=True, text=True, timeout=600,
-    )
+    exported = dflash_queue("export", out, "--format", "speculators", tmp_path / "hs")
     assert exported.returncode == 0, exported.stderr[-4000:]
     manifest = json.loads((tmp_path / "hs" / "export.json").read_text())
     # vLLM's aux ids of the three layers; each file ends with the last layer before the norm (aux layer 6), which

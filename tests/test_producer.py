@@ -15,6 +15,7 @@ from dflash_queue.runstate.ledger import DONE, GENERATED, QUEUED, Ledger
 from dflash_queue.shards.keys import prompts_key, shard_key
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage import open_storage
+from dfq_testing.commands import dflash_queue
 from dfq_testing.templates import ALTERNATING_TEMPLATE, THINKING_ONLY_TEMPLATE
 
 REPO = Path(__file__).resolve().parent.parent
@@ -193,11 +194,11 @@ def test_enqueue_command_rebuild_flag(make_config, redis_url):
     configure_app(config)
     Producer(config, Ledger.from_url(redis_url, config.run.name)).enqueue([SAMPLE])
     redis.Redis.from_url(redis_url).delete(GENERATE.queue)
-    command = [sys.executable, "-m", "dflash_queue", "enqueue", str(SAMPLE), "-c", str(config.source)]
-    plain = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    command = ("enqueue", SAMPLE, "-c", config.source)
+    plain = dflash_queue(*command, timeout=120)
     assert plain.returncode == 0, plain.stderr
     assert "shards: 7 (0 enqueued, 0 already done, 7 already queued)" in plain.stdout
-    rebuilt = subprocess.run([*command, "--rebuild"], capture_output=True, text=True, timeout=120)
+    rebuilt = dflash_queue(*command, "--rebuild", timeout=120)
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert "shards: 7 (7 enqueued, 0 already done; rebuild: ledger ignored, 7 of those" in rebuilt.stdout
     assert len(queued_messages(redis_url)) == 7
@@ -215,8 +216,7 @@ def test_a_thinking_policy_the_template_cannot_honour_is_refused_before_anything
     message = "dataset.thinking: the template always opens <think>: dataset.thinking = 'never' cannot be honoured"
     with pytest.raises(ConfigError, match=message):
         Producer(config, Ledger.from_url(redis_url, config.run.name))
-    command = [sys.executable, "-m", "dflash_queue", "enqueue", str(SAMPLE), "-c", str(config.source)]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    refused = dflash_queue("enqueue", SAMPLE, "-c", config.source, timeout=120)
     assert refused.returncode == 1 and message in refused.stderr
     run_out = tmp_path / "run-out"
     run = subprocess.run(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from dflash_queue.config import load_config
 from dflash_queue.reextraction import check_reextraction
 from dflash_queue.shards.training import LAST_LAYER, TrainingShard
+from dfq_testing.commands import dflash_queue
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.jobs import first_lines
 
@@ -23,8 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def dfq(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_queue", *map(str, args)], capture_output=True, text=True,
-                          timeout=600)
+    return dflash_queue(*args)
 
 
 def configs(tiny_model: Path, tmp_path: Path) -> tuple[Path, Path]:

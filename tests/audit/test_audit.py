@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import random
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +20,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
+from dfq_testing.commands import dflash_queue
 from dfq_testing.jobs import stage_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,8 +46,7 @@ def dataset_rows(count: int, placeholder_share: float, seed: int = 0) -> list[di
 
 
 def audit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_queue", "audit", *args], capture_output=True, text=True,
-                          timeout=600)
+    return dflash_queue("audit", *args)
 
 
 def test_dataset_with_87_percent_placeholders_fails_the_gate_and_names_the_share(tmp_path):

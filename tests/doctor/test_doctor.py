@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 from dflash_queue.doctor.disk import check_free_disk
 from dflash_queue.doctor.gpu import GIB, GpuInfo
 from dflash_queue.doctor.preflight import memory_utilization, run_doctor
+from dfq_testing.commands import dflash_queue
 
 
 def doctor(config) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "doctor", "-c", config.source],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return dflash_queue("doctor", "-c", config.source, timeout=300)
 
 
 def test_doctor_passes_a_good_cpu_config_and_says_there_is_no_gpu(make_config):
@@ -50,12 +45,7 @@ def test_gpu_readings_flow_into_the_checks(make_config):
 
 
 def test_json_output(make_config):
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "doctor", "-c", make_config().source, "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = dflash_queue("doctor", "-c", make_config().source, "--json", timeout=300)
     checks = json.loads(result.stdout)
     assert {c["verdict"] for c in checks} <= {"pass", "warn"} and checks[0]["name"] == "broker reachable"
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, gen
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key
 from dflash_queue.storage import open_storage
+from dfq_testing.commands import dflash_queue
 from dfq_testing.jobs import stage_samples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_a_reply_splits_into_reasoning_and_answer(text, opened, expected):
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_queue", *args], capture_output=True, text=True, timeout=600)
+    return dflash_queue(*args)
 
 
 def letters(text: str) -> str:

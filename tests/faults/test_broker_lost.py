@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from dflash_queue.producer import Producer
 from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.keys import COMPLETIONS, SHARDS, shard_id_of
 from dflash_queue.storage import open_storage
+from dfq_testing.commands import dflash_queue
 from dfq_testing.jobs import connect, done_count, exactly_once_problems, first_lines
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states, wait_until
@@ -61,8 +60,7 @@ def test_a_lost_broker_is_rebuilt_from_storage(make_config, redis_url, start_wor
     generated = stored_ids(config, COMPLETIONS) & not_done
     assert done and generated and not_done, "the loss should land mid-job"
 
-    command = [sys.executable, "-m", "dflash_queue", "enqueue", str(dataset), "-c", str(config.source), "--rebuild"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    result = dflash_queue("enqueue", dataset, "-c", config.source, "--rebuild", timeout=120)
     assert result.returncode == 0, result.stderr
     assert f"shards: 8 ({len(not_done)} enqueued, {len(done)} already done; rebuild" in result.stdout
     messages = [json.loads(raw) for raw in redis.Redis.from_url(redis_url).lrange(GENERATE.queue, 0, -1)]

@@ -14,6 +14,7 @@ import pytest
 from dflash_queue.broker.run_broker import private_broker_dir
 from dflash_queue.config import load_config
 from dflash_queue.live import LiveShards
+from dfq_testing.commands import dflash_queue
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.jobs import dataset_ids, first_lines
 
@@ -75,8 +76,5 @@ def test_the_example_trains_two_epochs_on_a_job_dflash_queue_run_runs(tiny_model
     for epoch in (0, 1):
         assert set(acks[epoch]) <= expected and set(acks[epoch].values()) == {1}, epoch
         # verify reads the stopped run's broker from its data: every sample accounted for, in each epoch.
-        checked = subprocess.run(
-            [sys.executable, "-m", "dflash_queue", "verify", str(dataset), "-c", str(config_path), "--epoch", str(epoch)],
-            capture_output=True, text=True, timeout=120,
-        )
+        checked = dflash_queue("verify", dataset, "-c", config_path, "--epoch", epoch, timeout=120)
         assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -27,6 +27,7 @@ from dflash_queue.ops.planner import (
     schedule,
 )
 from dflash_queue.runstate.ledger import Ledger
+from dfq_testing.commands import dflash_queue
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -149,12 +150,7 @@ def test_counting_prompts_with_the_real_tokenizer(make_config, tiny_model):
 
 
 def plan_json(config, *args) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", config.source, "--json", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = dflash_queue("plan", SAMPLE, "-c", config.source, "--json", *args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 
@@ -217,10 +213,7 @@ def test_plan_sizes_a_vllm_extract_worker_by_its_tensor_parallel_group(make_conf
     per_worker = plan_json(config, "--gpus-per-worker", "1", "--gpus", "3")  # the option still sets every lane
     assert per_worker["gpus_per_worker"] == {"generate": 1, "extract": 1}
     assert per_worker["extract_memory"]["gpus_per_worker"] == 1
-    refused = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "plan", str(SAMPLE), "-c", config.source, "--gpus", "3"],
-        capture_output=True, text=True, timeout=300,
-    )
+    refused = dflash_queue("plan", SAMPLE, "-c", config.source, "--gpus", "3", timeout=300)
     assert refused.returncode == 2 and "3 GPUs do not split into extract workers of 2" in refused.stderr
 
 

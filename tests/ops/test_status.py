@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
+from dfq_testing.commands import dflash_queue
 from dfq_testing.polling import wait_for_states
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +32,7 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 
 
 def status_json(config) -> dict:
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash_queue", "status", "-c", config.source, "--json", "--timeout", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = dflash_queue("status", "-c", config.source, "--json", "--timeout", "2", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 

@@ -25,6 +25,7 @@ from dflash_queue.ops.systemd import InstallSettings, UnitLayout, env_file_text,
 from dflash_queue.producer import Producer
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.runstate.ledger import DONE, Ledger
+from dfq_testing.commands import dflash_queue
 from dfq_testing.jobs import connect, first_lines
 from dfq_testing.polling import wait_for_states
 
@@ -82,8 +83,7 @@ def test_workers_log_in_as_a_least_rights_user_and_the_password_shows_nowhere(
     [dead] = DeadLetters.from_url(config.broker.connection_url(), config.run.name).all()
     assert dead.sample_ids == [ids[1]]
 
-    status = subprocess.run([sys.executable, "-m", "dflash_queue", "status", "--json", "-c", config.source],
-                            capture_output=True, text=True, timeout=120)
+    status = dflash_queue("status", "--json", "-c", config.source, timeout=120)
     assert status.returncode == 0, status.stderr[-3000:]
     assert json.loads(status.stdout)["broker"] == server.url
     no_password_in(status.stdout + status.stderr, "status")

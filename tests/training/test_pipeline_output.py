@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, shard_id_of
 from dflash_queue.storage import LocalStorage
 from dflash_queue.training import ShardDataset, collate_padded
+from dfq_testing.commands import dflash_queue
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash_queue", *args], capture_output=True, text=True, timeout=600)
+    return dflash_queue(*args)
 
 
 def test_run_with_fp8_then_train_export_and_inspect(tiny_model, tmp_path):
