@@ -27,6 +27,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from dflash_queue.storage.process_dirs import pid_alive
+
 # Read when used, not when a library is imported: these may differ from the server's environment.
 READ_LATE = ("DFQ_", "AWS_", "PYTEST_CURRENT_TEST")
 PRELOAD = (
@@ -55,7 +57,7 @@ class ForkedProcess:
         self._status_path = status_path
 
     def poll(self) -> int | None:
-        if self.returncode is not None or (not self._status_path.exists() and _exists(self.pid)):
+        if self.returncode is not None or (not self._status_path.exists() and pid_alive(self.pid)):
             return self.returncode
         # Reaped: the server writes the exit code just after (-1 when the server went first and cannot).
         deadline = time.monotonic() + 2
@@ -85,14 +87,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 class ForkServer:
