@@ -22,7 +22,7 @@ from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
 from dfq_testing.scheduling import GroupScheduling, order_longest_first
 from dfq_testing.servers import VllmServers
 from dfq_testing.tiny_model import build_tiny_model
-from dfq_testing.vllm_in_process import engine_core_in_this_process
+from dfq_testing.vllm_uniproc import uniproc_executor
 
 REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -57,10 +57,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
 
 
 @pytest.fixture(scope="module")
-def vllm_engine_core_in_this_process() -> Iterator[None]:
-    """The module's vLLM engines run their engine core in the test's process (dfq_testing/vllm_in_process.py),
-    for the modules that check what an engine computes."""
-    with engine_core_in_this_process():
+def vllm_uniproc_executor() -> Iterator[None]:
+    """The module's vLLM engines run their model in the engine core's process (dfq_testing/vllm_uniproc.py), for
+    the modules that check what an engine computes."""
+    with uniproc_executor():
         yield
 
 

@@ -37,6 +37,7 @@ from dfq_testing.jobs import exactly_once_problems, first_lines
 from dfq_testing.polling import wait_for_states, wait_until
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.servers import MAX_MODEL_LEN, SERVED_NAME
+from dfq_testing.vllm_uniproc import uniproc_executor
 from dfq_testing.vocabularies import swapped_vocabulary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,11 +82,14 @@ def job_requests(job_samples, formatter):
 @pytest.fixture(scope="module")
 def reference(tiny_model, tmp_path_factory, topic_requests, job_requests) -> dict[str, dict[str, Generation]]:
     """What the in-process vLLM engine generates, by sampling ("sampled", "greedy") and sample id: the topics in
-    both, the job's samples sampled. The engine is closed before the servers are used."""
+    both, the job's samples sampled. The engine is closed before the servers are used. Its model runs in its engine
+    core's process (dfq_testing/vllm_uniproc.py); the servers' run in workers of their own, as vLLM's CPU build
+    lays them out."""
     tmp = tmp_path_factory.mktemp("reference")
     tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
     config = load_config(write_config(tmp / "vllm.toml", tables, **tiny_vllm_overrides(), **{"generate.sampling": SAMPLED}))
-    engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
+    with uniproc_executor():
+        engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
     try:
         sampled = engine.generate(topic_requests + job_requests)
         # The engine reads its sampling settings per request: the same engine, greedy.

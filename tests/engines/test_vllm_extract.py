@@ -31,7 +31,7 @@ from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER,
 from dflash_queue.storage import open_storage
 from dfq_testing.references import reference_model, reference_states
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_uniproc_executor")]
 
 # Not in ascending order, and the last layer both as itself and through the final norm: vLLM caches its aux
 # layers in ascending order, and the last layer's output before the norm is its aux id N.
@@ -337,8 +337,11 @@ def test_an_engine_that_died_fails_the_capture_as_unavailable(extractor):
 
     from dflash_queue.errors import EngineUnavailable
 
-    cores = [p for p in psutil.Process().children(recursive=True) if "EngineCore" in p.name()]
+    engine_processes = psutil.Process().children(recursive=True)
+    cores = [p for p in engine_processes if "EngineCore" in p.name()]
     assert cores
+    # The model runs in the engine core's process (the module's vllm_uniproc_executor): no worker of its own.
+    assert not [p for p in engine_processes if p.name().startswith("VLLM::Worker")]
     for process in cores:
         process.kill()
     with pytest.raises(EngineUnavailable):

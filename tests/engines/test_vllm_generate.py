@@ -44,10 +44,20 @@ def vllm_config(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(vllm_config):
+def started(vllm_config):
+    """The module's engine and the processes it started (multiprocessing's resource tracker aside: it is shared by
+    the whole test process and ends when its parent does)."""
+    before = {p.pid for p in descendants(os.getpid())}
     engine = VllmGenerateEngine(vllm_config.model, vllm_config.generate.vllm, vllm_config.generate.sampling)
-    yield engine
+    processes = [p for p in descendants(os.getpid())
+                 if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    yield engine, processes
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine(started):
+    return started[0]
 
 
 @pytest.fixture(scope="module")
@@ -200,16 +210,12 @@ def test_a_refused_request_names_its_sample_and_spares_the_engine(engine, reques
     assert engine.generate([requests[0]]) == [generations[0]]
 
 
-def test_close_stops_vllms_processes(vllm_config, requests):
-    before = {p.pid for p in descendants(os.getpid())}
-    engine = VllmGenerateEngine(vllm_config.model, vllm_config.generate.vllm, vllm_config.generate.sampling)
-    started = {p: " ".join(p.cmdline()) for p in descendants(os.getpid()) if p.pid not in before}
-    assert any("EngineCore" in p.name() for p in started), describe(list(started))
-    assert len(engine.generate(requests[:3])) == 3
+def test_close_stops_vllms_processes(started, requests, generations):
+    """Last in the module: it closes the module's engine."""
+    engine, processes = started
+    assert any("EngineCore" in p.name() for p in processes), describe(processes)
     engine.close()
-    # multiprocessing's resource tracker is shared by the whole test process; it ends when its parent does.
-    engine_processes = [p for p, command in started.items() if "resource_tracker" not in command]
-    left = survivors(engine_processes, timeout=60)
+    left = survivors(processes, timeout=60)
     assert not left, f"engine processes outlived close(): {describe(left)}"
     with pytest.raises(EngineUnavailable):
         engine.generate(requests[:1])

@@ -1,6 +1,7 @@
-"""The block that runs vLLM's engine cores in the test's process leaves nothing of itself behind: the environment
+"""The block that keeps vLLM's model in its engine core's process leaves nothing of itself behind: the environment
 as it was, vLLM's environment cache off and the garbage collector's heap unfrozen, as an engine core started in
-the block leaves them (EngineCore.__init__ calls enable_envs_cache and freeze_gc_heap)."""
+the calling process leaves them (EngineCore.__init__ calls enable_envs_cache and freeze_gc_heap). That an engine
+started in the block runs no model worker of its own is checked where one starts (tests/engines/test_vllm_extract.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 
 import pytest
 
-from dfq_testing.vllm_in_process import MULTIPROCESSING_ENV, engine_core_in_this_process
+from dfq_testing.vllm_uniproc import MULTIPROCESSING_ENV, uniproc_executor
 
 
 @pytest.mark.parametrize("before", [None, "1"])
@@ -20,7 +21,7 @@ def test_the_block_restores_the_environment_and_undoes_what_an_engine_core_did(b
         monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     else:
         monkeypatch.setenv(MULTIPROCESSING_ENV, before)
-    with engine_core_in_this_process():
+    with uniproc_executor():
         assert vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
         vllm.envs.enable_envs_cache()  # what an engine core started here does
         gc.freeze()

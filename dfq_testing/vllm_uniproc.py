@@ -1,0 +1,36 @@
+"""vLLM's model in its engine core's process (vLLM's uniprocess executor), for tests that check what an engine
+computes."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@contextmanager
+def uniproc_executor() -> Iterator[None]:
+    """Engines created inside run their model in the engine core's process, as vLLM does on a GPU with one rank.
+
+    The product's engines are `AsyncLLM`s, whose engine core always runs in a process of its own. On the CPU,
+    vLLM's platform switches the uniprocess executor to its multiprocess one (a model worker in a third process)
+    unless VLLM_ENABLE_V1_MULTIPROCESSING is 0 (`CpuPlatform.check_and_update_config`), which this sets: one
+    process importing vLLM less per engine start, about 12 core-seconds on the 2-core dev machine. An engine may
+    outlive the block. The worker, `run`, tensor-parallel and engine-lifecycle tests keep the CPU build's own
+    layout."""
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(MULTIPROCESSING_ENV, "0")
+            yield
+    finally:
+        # An engine core that ran in the calling process (vLLM's own `LLM` with the variable at 0) cached vLLM's
+        # environment and froze the garbage collector's heap: engines started after the block read the environment
+        # afresh, and what the block left is collectable.
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()
+        gc.unfreeze()
