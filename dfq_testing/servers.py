@@ -22,6 +22,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from dfq_testing.vllm_uniproc import MULTIPROCESSING_ENV
+
 SERVED_NAME = "tiny-qwen3"
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 600
@@ -81,7 +83,7 @@ class VllmServer:
 
     def start(self, *, wait: bool = True) -> VllmServer:
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               MULTIPROCESSING_ENV: "0"}
         if self.cpu is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu
         self.log.parent.mkdir(parents=True, exist_ok=True)

@@ -37,13 +37,14 @@ from dfq_testing.jobs import first_lines
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states
 from dfq_testing.processes import descendants, describe, survivors
+from dfq_testing.vllm_uniproc import MULTIPROCESSING_ENV, model_workers
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": 48, "seed": 3}
-ONE_PROCESS = {"env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
+ONE_PROCESS = {"env": {MULTIPROCESSING_ENV: "0"}}
 
 
 def queued_messages(redis_url: str, queue: str) -> int:
@@ -106,7 +107,8 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
 ):
     # The quality gate flags but neither drops nor retries: every reply stays exactly what vLLM first generated.
     config = make_config(
-        **tiny_vllm_overrides(inflight_tasks=2, **ONE_PROCESS), **{"generate.sampling": SAMPLING}, quality=FLAG_EVERYTHING
+        **tiny_vllm_overrides(inflight_tasks=2, **ONE_PROCESS), **{"generate.sampling": SAMPLING},
+        quality=FLAG_EVERYTHING,
     )
     app = configure_app(config)
     dataset = first_lines(SAMPLE, 48, tmp_path / "prompts.jsonl")
@@ -120,7 +122,7 @@ def test_shards_hold_exactly_what_vllm_generated_across_a_warm_stop(
     wait_until_one(ledger, report.shard_ids, GENERATED, first)
     tree = descendants(first.pid)
     assert any("EngineCore" in p.name() for p in tree), describe(tree)
-    assert not any(p.name().startswith("VLLM::Worker") for p in tree), describe(tree)  # the model in the core
+    assert not model_workers(tree), describe(tree)  # the model in the engine core's process
     first.terminate()
     assert first.process.wait(timeout=300) == 0, first.log_tail()
     left = survivors(tree, timeout=60)

@@ -38,7 +38,7 @@ from dfq_testing.polling import wait_for_states, wait_until
 from dfq_testing.processes import descendants, describe
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.servers import MAX_MODEL_LEN, SERVED_NAME
-from dfq_testing.vllm_uniproc import uniproc_executor
+from dfq_testing.vllm_uniproc import model_workers, uniproc_executor
 from dfq_testing.vocabularies import swapped_vocabulary
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,8 +84,7 @@ def job_requests(job_samples, formatter):
 def reference(tiny_model, tmp_path_factory, topic_requests, job_requests) -> dict[str, dict[str, Generation]]:
     """What the in-process vLLM engine generates, by sampling ("sampled", "greedy") and sample id: the topics in
     both, the job's samples sampled. The engine is closed before the servers are used. Its model runs in its engine
-    core's process (dfq_testing/vllm_uniproc.py); the servers' run in workers of their own, as vLLM's CPU build
-    lays them out."""
+    core's process (dfq_testing/vllm_uniproc.py), as the servers' do."""
     tmp = tmp_path_factory.mktemp("reference")
     tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
     config = load_config(write_config(tmp / "vllm.toml", tables, **tiny_vllm_overrides(), **{"generate.sampling": SAMPLED}))
@@ -172,7 +171,7 @@ def test_the_server_runs_its_model_in_its_engine_cores_process(server):
     """As vLLM serves a model from one GPU (dfq_testing/servers.py): no model worker process beside the core."""
     processes = descendants(server.process.pid)
     assert any("EngineCore" in p.name() for p in processes), describe(processes)
-    assert not any(p.name().startswith("VLLM::Worker") for p in processes), describe(processes)
+    assert not model_workers(processes), describe(processes)
 
 
 def test_a_reply_does_not_depend_on_what_shared_the_servers(tiny_model, server, reference, topic_requests):

@@ -30,6 +30,7 @@ from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER, TrainingShard
 from dflash_queue.storage import open_storage
 from dfq_testing.references import reference_model, reference_states
+from dfq_testing.vllm_uniproc import model_workers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_uniproc_executor")]
 
@@ -341,7 +342,7 @@ def test_an_engine_that_died_fails_the_capture_as_unavailable(extractor):
     cores = [p for p in engine_processes if "EngineCore" in p.name()]
     assert cores
     # The model runs in the engine core's process (the module's vllm_uniproc_executor): no worker of its own.
-    assert not [p for p in engine_processes if p.name().startswith("VLLM::Worker")]
+    assert not model_workers(engine_processes)
     for process in cores:
         process.kill()
     with pytest.raises(EngineUnavailable):
