@@ -23,6 +23,7 @@ from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
 from dfq_testing.scheduling import GroupScheduling, order_longest_first
 from dfq_testing.servers import VllmServers
 from dfq_testing.tiny_model import build_tiny_model
+from dfq_testing.vllm_forkserver import forked_engine_cores
 from dfq_testing.vllm_uniproc import uniproc_executor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,6 +62,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
     return GroupScheduling(config, log)
+
+
+@pytest.fixture(scope="module")
+def vllm_forked_engine_cores() -> Iterator[None]:
+    """Engines the module starts in its process fork their engine core from a server that has imported vLLM
+    (dfq_testing/vllm_forkserver.py): about 9 CPU-seconds less an engine, after the test process's first."""
+    with forked_engine_cores():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -130,7 +130,7 @@ def test_run_with_the_vllm_extract_engine_stores_each_samples_own_states(name, t
 
 
 @pytest.mark.parametrize("name", IN_PROCESS_FAMILIES)
-@pytest.mark.usefixtures("vllm_uniproc_executor")
+@pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")
 def test_the_vllm_extract_engine_stores_each_samples_own_states_through_the_lanes(name, tiny_family, tmp_path):
     """The same job as `run`'s above, through the same generate and extract lanes in this process."""
     model_path = tiny_family(name)

@@ -50,7 +50,7 @@ def test_no_engine_starts_without_weights_on_the_transformers_engine_or_when_ski
 
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.usefixtures("vllm_uniproc_executor")
+@pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")
 def test_doctor_fails_an_engine_that_reads_every_request_one_slot_off(make_config, inject_faults):
     """The connector reads each token's state one cache slot on, for every request, the canary's reruns alone
     included: batched and alone agree (the canary cannot see it), the checkpoint's own forward does not. The engine

@@ -80,7 +80,7 @@ def test_the_transformers_engine_keeps_only_what_the_model_produced(config, requ
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(config, vllm_uniproc_executor):
+def vllm_engine(config, vllm_forked_engine_cores, vllm_uniproc_executor):
     from dflash_queue.engines.vllm_generate import VllmGenerateEngine
 
     engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)

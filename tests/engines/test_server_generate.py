@@ -38,6 +38,7 @@ from dfq_testing.polling import wait_for_states, wait_until
 from dfq_testing.processes import descendants, describe
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.servers import MAX_MODEL_LEN, SERVED_NAME
+from dfq_testing.vllm_forkserver import forked_engine_cores
 from dfq_testing.vllm_uniproc import model_workers, uniproc_executor
 from dfq_testing.vocabularies import swapped_vocabulary
 
@@ -88,7 +89,7 @@ def reference(tiny_model, tmp_path_factory, topic_requests, job_requests) -> dic
     tmp = tmp_path_factory.mktemp("reference")
     tables = tiny_config_tables(tiny_model, tmp / "storage", "redis://127.0.0.1:1/0", tmp / "state")
     config = load_config(write_config(tmp / "vllm.toml", tables, **tiny_vllm_overrides(), **{"generate.sampling": SAMPLED}))
-    with uniproc_executor():
+    with forked_engine_cores(), uniproc_executor():
         engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
     try:
         sampled = engine.generate(topic_requests + job_requests)

@@ -6,6 +6,7 @@ injected in the KV connector, inside vLLM's processes)."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 
@@ -32,7 +33,7 @@ from dflash_queue.storage import open_storage
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.vllm_uniproc import model_workers
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_uniproc_executor")]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")]
 
 # Not in ascending order, and the last layer both as itself and through the final norm: vLLM caches its aux
 # layers in ascending order, and the last layer's output before the norm is its aux id N.
@@ -341,6 +342,8 @@ def test_an_engine_that_died_fails_the_capture_as_unavailable(extractor):
     engine_processes = psutil.Process().children(recursive=True)
     cores = [p for p in engine_processes if "EngineCore" in p.name()]
     assert cores
+    # Forked from this process's fork server (the module's vllm_forked_engine_cores), not spawned from it.
+    assert all(core.ppid() != os.getpid() for core in cores)
     # The model runs in the engine core's process (the module's vllm_uniproc_executor): no worker of its own.
     assert not model_workers(engine_processes)
     for process in cores:
