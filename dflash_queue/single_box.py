@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from dflash_queue.broker.run_broker import forget_url, private_server, record_url
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
-from dflash_queue.lanes.canary_notes import canary_notes
+from dflash_queue.lanes.canary_notes import canary_summary
 from dflash_queue.lanes.registry import FINAL_LANE, LANES
 from dflash_queue.producer import Producer
 from dflash_queue.prompt_staging import EnqueueReport, checked_formatter
@@ -47,12 +47,10 @@ class RunSummary:
     shards_missing: list[str] = field(default_factory=list)
 
     def _canary(self) -> str:
-        checked = self.counters.get("extract_canary_samples", 0)
-        if not checked or self.canary_worst is None:
-            return "no sample rerun alone"
-        return f"{checked} samples rerun alone, worst relative error {self.canary_worst:.2e}" + canary_notes(
-            self.counters.get("extract_canary_untestable", 0), self.counters.get("extract_canary_window", 0)
-        )
+        c = self.counters
+        summary = canary_summary(c.get("extract_canary_samples", 0), self.canary_worst,
+                                 c.get("extract_canary_untestable", 0), c.get("extract_canary_window", 0))
+        return summary or "no sample rerun alone"
 
     def lines(self) -> list[str]:
         c = self.counters

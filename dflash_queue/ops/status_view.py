@@ -6,7 +6,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dflash_queue.lanes.canary_notes import canary_notes
+from dflash_queue.lanes.canary_notes import canary_summary
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
 from dflash_queue.ops.live_status import LiveStatus
@@ -131,11 +131,8 @@ def _quality(s: LaneStatus) -> str:
 def _canary(s: LaneStatus) -> str:
     if LANES[s.lane].canary_error is None:
         return "—"
-    if not s.canary_samples or s.canary_worst_error is None:
-        return "no sample checked yet"
-    return f"{s.canary_samples:,} samples rerun alone, worst relative error {s.canary_worst_error:.2e}" + canary_notes(
-        s.canary_untestable, s.canary_window
-    )
+    summary = canary_summary(s.canary_samples, s.canary_worst_error, s.canary_untestable, s.canary_window)
+    return summary or "no sample checked yet"
 
 
 def _turns(s: LaneStatus) -> str:
