@@ -95,7 +95,7 @@ def reference_generations(tiny_model: Path, samples: list[Sample]) -> dict[str, 
     ]
     done = subprocess.run(
         [sys.executable, "-c", REFERENCE, str(tiny_model)], input=json.dumps(requests), capture_output=True,
-        text=True, timeout=600, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        text=True, timeout=600, env={**os.environ, MULTIPROCESSING_ENV: "0"},
     )
     assert done.returncode == 0, done.stderr[-4000:]
     outputs = json.loads(done.stdout.strip().splitlines()[-1])
