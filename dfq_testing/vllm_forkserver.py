@@ -69,4 +69,3 @@ def forked_engine_cores() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(importlib.import_module(LAUNCHER), "get_mp_context", lambda: CONTEXT)
         yield
-

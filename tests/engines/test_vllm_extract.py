@@ -33,7 +33,10 @@ from dflash_queue.storage import open_storage
 from dfq_testing.references import reference_model, reference_states
 from dfq_testing.vllm_uniproc import model_workers
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")]
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor"),
+]
 
 # Not in ascending order, and the last layer both as itself and through the final norm: vLLM caches its aux
 # layers in ascending order, and the last layer's output before the norm is its aux id N.

@@ -36,7 +36,10 @@ from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dfq_testing.configs import tiny_config_tables, write_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")]
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor"),
+]
 
 BF16 = torch.bfloat16
 STEP_TOKENS = 64  # sequences longer than this are prefilled over several engine steps

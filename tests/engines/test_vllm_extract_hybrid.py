@@ -18,7 +18,10 @@ from dflash_queue.lanes.extract import vllm_extract_settings
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.references import reference_model, reference_states
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")]
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor"),
+]
 
 CAPTURED = [(0, "decoder_output"), (2, "decoder_output"), (4, "decoder_output"), (5, "final_norm")]
 

@@ -18,7 +18,10 @@ from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")]
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow,
+    pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor"),
+]
 
 # Two shards, each with one sample the connector makes non-finite.
 SHARDS = {

@@ -14,7 +14,10 @@ from dflash_queue.errors import ConfigError
 from dfq_testing import vllm_cpu_expand
 from dfq_testing.configs import tiny_config_tables, tiny_vllm_overrides, write_config
 
-pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor"),
+]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # top_k on: the setting that crashed the uncorrected CPU build.
