@@ -67,7 +67,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> GroupScheduling:
 @pytest.fixture(scope="module")
 def vllm_forked_engine_cores() -> Iterator[None]:
     """Engines the module starts in its process fork their engine core from a server that has imported vLLM
-    (dfq_testing/vllm_forkserver.py): about 9 CPU-seconds less an engine, after the test process's first."""
+    (dfq_testing/vllm_forkserver.py): about 9 CPU-seconds less an engine with AVX-512, 12 without, after the test
+    process's first."""
     with forked_engine_cores():
         yield
 
