@@ -153,9 +153,9 @@ class StreamedDecoder:
             return hook
 
         hooks = []
-        for index, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(before(index)))
-            hooks.append(layer.register_forward_hook(after(index)))
+        for index, module in enumerate(layers):
+            hooks.append(module.register_forward_pre_hook(before(index)))
+            hooks.append(module.register_forward_hook(after(index)))
         lengths = [len(s) for s in sequences]
         longest = max(lengths)
         ids = torch.zeros(len(sequences), longest, dtype=torch.long)
