@@ -30,6 +30,8 @@ def tiny_config_tables(model_path: Path, storage: Path | str, broker_url: str, s
         "generate": {"engine": "transformers", "batch_size": 8},
         "generate.sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "max_tokens": 48, "seed": 0},
         "extract": {"num_draft_layers": 3, "token_budget": 2048, "hidden_dtype": "bfloat16"},
+        # The reference audit is a lane of its own, with workers of its own: tests of it turn it on.
+        "audit": {"enabled": False},
     }
 
 

@@ -29,7 +29,7 @@ from dflash_queue.engines.config import (
 )
 from dflash_queue.engines.vllm_args import NESTED_KEY_ERROR, output_args
 from dflash_queue.errors import ConfigError
-from dflash_queue.lanes.config import ExtractConfig
+from dflash_queue.lanes.config import AuditConfig, ExtractConfig
 from dflash_queue.ops.config import FlowerConfig
 from dflash_queue.quality.config import QualityConfig
 from dflash_queue.queue.config import PASSWORD_ENV, PASSWORD_FILE_ENV, BrokerConfig
@@ -40,6 +40,7 @@ __all__ = [
     "PASSWORD_ENV",
     "PASSWORD_FILE_ENV",
     "STORAGE_URL_ENV",
+    "AuditConfig",
     "BrokerConfig",
     "Config",
     "DatasetConfig",
@@ -76,6 +77,7 @@ class Config(Section):
     dataset: DatasetConfig = DatasetConfig()
     generate: GenerateConfig = GenerateConfig()
     extract: ExtractConfig = ExtractConfig()
+    audit: AuditConfig = AuditConfig()
     quality: QualityConfig = QualityConfig()
     flower: FlowerConfig = FlowerConfig()
 

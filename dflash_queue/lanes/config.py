@@ -1,12 +1,14 @@
-"""The `[extract]` section: the extract engines' keys (`engines/config.py`) and the lane's own, which no engine
-reads: the canary, the plausibility check, when a worker stops, the window of unconsumed shards, shard size."""
+"""The lanes' own sections. `[extract]`: the extract engines' keys (`engines/config.py`) and the lane's own, which no
+engine reads: the canary, the plausibility check, when a worker stops, the window of unconsumed shards, shard size.
+`[audit]`: the reference audit of stored shards (lanes/audit.py)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
+from dflash_queue.config.sections import Section
 from dflash_queue.engines.config import ExtractEngineSettings
 
 
@@ -46,3 +48,27 @@ class ExtractConfig(ExtractEngineSettings):
     max_shard_bytes: Annotated[int, Field(ge=1)] = 8 * 10**9
     """`plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
     larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object."""
+
+
+class AuditConfig(Section):
+    """The reference audit: stored samples recomputed from their stored token ids by the checkpoint's own class, one
+    decoder layer resident at a time (engines/streamed_reference.py), and compared with what was stored, off the
+    extract lane's path, by `audit` workers (host cores or a spare GPU). A mismatch stops the extract worker that
+    stored the shard (exit 78) and makes every shard it stored since its last passed audit suspect: `verify`,
+    `export`, the training reader and live training never serve a suspect shard as good, and `dflash-queue suspects
+    reextract` extracts them again once the engine is fixed."""
+
+    enabled: bool = True
+    """Send stored shards to the audit lane. `dflash-queue run` starts an audit worker; a fleet serves the lane with
+    `dflash-queue worker audit` (systemd: `--audit`)."""
+    every_shards: Annotated[int, Field(ge=1)] = 8
+    """Each extract worker's first stored shard is audited, then one in this many of the shards it stores."""
+    every_minutes: Annotated[float, Field(ge=0)] = 10.0
+    """And at least one of its shards every this many minutes of its extraction, whatever every_shards says. 0: by
+    count only."""
+    samples_per_shard: Annotated[int, Field(ge=1)] = 1
+    """Samples of an audited shard recomputed: the shard's longest in every other audit (the long sequences reach
+    the engine's later prefill steps), else drawn from the shard id, so a re-delivered task checks the same ones."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the reference runs: "auto" is the audit worker's GPU when it has one (`worker audit --gpus 7`), else
+    the host CPU."""
