@@ -151,14 +151,20 @@ class ExtractVllmConfig(VllmEngineSettings):
     kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"] = "auto"
     """The target's KV cache dtype. Quantized (fp8) caches are refused: the attention would read quantized keys and
     values, and every state after the first attention layer would differ from the model's own."""
-    reference_layers: Annotated[int, Field(ge=0)] = 4
-    """When the engine loads (and in `doctor`), its states of a probe sequence are compared with the checkpoint's own
-    Transformers forward over its first reference_layers decoder layers, at every captured layer among them (at
-    least the lowest captured one; every entry, final norm included, when it covers the model), computed in the
-    engine's dtype and in float32 on a spare GPU of the worker's, else on the host CPU, whose memory then holds
-    those layers' weights in float32; beyond what the dtype's rounding explains the engine refuses to start. It
-    sees what the canary cannot, an error the same batched and alone: a layer off by one, rows read from the wrong
-    cache slots, a kernel computing something else. 0: no comparison."""
+    reference_check: bool = True
+    """When the engine loads (and in `doctor`), its states of a probe batch (several sequences of different
+    lengths, run together as production runs them) are compared at every captured entry, the last-layer and
+    final-norm ones included, with the checkpoint's own Transformers forward, streamed one decoder layer at a time
+    from the safetensors files (the memory of one layer) on a spare GPU of the worker's, else on host cores, in
+    float32 and in the engine's dtype; beyond what the dtype's rounding explains, per token and per sequence, the
+    engine refuses to start. It sees what the canary cannot, an error the same batched and alone: a layer or token
+    off by one, rows read from the wrong cache slots, the last state taken after the final norm, a kernel computing
+    something else. Turning it off leaves only the run-time audit ([audit]) to see those; `doctor` warns."""
+    reference_tokens: Annotated[int, Field(ge=0)] = 0
+    """Tokens of that probe batch. 0: a prefill step and a half of the engine (max_num_batched_tokens), so that
+    sequences are cut across steps, where the reference runs on a spare GPU or the engine on the CPU build; 1,024
+    where it runs on host cores beside a GPU engine (a 27B target's reference then takes minutes: docs/extraction.md;
+    the audit covers long sequences)."""
     transfer_dir: str = ""
     """Where the engine's processes hand each sequence's states to the worker: a tmpfs (memory) directory. Empty:
     /dev/shm. Each engine uses a sub-directory of its own, removed when it stops (and by the next worker on this
@@ -166,6 +172,17 @@ class ExtractVllmConfig(VllmEngineSettings):
     shard, a few sequences at a time."""
 
     refused_engine_args: ClassVar[dict[str, str]] = EXTRACT_REFUSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "reference_layers" in values:
+            raise ValueError(
+                "reference_layers was replaced: the load-time comparison now covers every captured entry with the "
+                "checkpoint's forward streamed one layer at a time; set reference_check (true/false) and, if "
+                "needed, reference_tokens instead"
+            )
+        return values
 
     @field_validator("pipeline_parallel_size")
     @classmethod

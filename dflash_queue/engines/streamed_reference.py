@@ -282,7 +282,8 @@ def _transformers_quiet() -> Iterator[None]:
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
-    names = ("transformers.modeling_utils", "transformers.utils.loading_report", "transformers.core_model_loading")
+    names = ("transformers.modeling_utils", "transformers.utils.loading_report", "transformers.core_model_loading",
+             "transformers.distributed.tensor_parallel")
     levels = {name: logging.getLogger(name).level for name in names}
     for name in names:
         logging.getLogger(name).setLevel(logging.ERROR)

@@ -55,14 +55,16 @@ from dflash_queue.engines.final_norm import FinalNorm
 from dflash_queue.engines.layers import resolve_layer_ids, vllm_aux_ids_of_entries, vllm_aux_layer_ids
 from dflash_queue.engines.passes import all_finite, summarize, token_stats
 from dflash_queue.engines.reference_check import (
-    PROBE_TOKENS,
+    HOST_PROBE_TOKENS,
     ReferenceComparison,
-    compare_with_reference,
-    entries_to_compare,
+    compare_with_truth,
     reference_device,
+    reference_probe_lengths,
+    reference_truth,
     require_agreement,
 )
 from dflash_queue.engines.state_checks import CanaryTolerance
+from dflash_queue.engines.streamed_reference import StreamedDecoder
 from dflash_queue.engines.vllm_calibration import (
     PROBES,
     avoid_single_token_tail,
@@ -582,29 +584,37 @@ class VllmStateExtractor:
         return noise, tolerance
 
     def _check_reference(self, setup: VllmExtractSettings) -> ReferenceComparison | None:
-        """This engine's states of a probe sequence against the checkpoint's own Transformers forward (see
-        engines/reference_check.py); raises ReferenceMismatch beyond the dtype's rounding."""
+        """This engine's states of a probe batch against the checkpoint's own Transformers forward, streamed one
+        decoder layer at a time (see engines/reference_check.py), at every captured entry; raises ReferenceMismatch
+        beyond the dtype's rounding.
+
+        The probe is PROBE_SEQUENCES sequences of different lengths run as one batch, as production batches them,
+        so that slot mapping across requests is exercised; where the reference can afford it (vLLM's CPU build, a
+        spare GPU) they reach past the engine's first prefill step (extract.vllm.reference_tokens, else a step and a
+        half); on host cores beside a GPU engine, HOST_PROBE_TOKENS (the run-time audit covers long sequences)."""
         settings = setup.extract.vllm
-        if not settings.reference_layers:
-            log.warning("vLLM extract engine: no comparison with the checkpoint's own forward "
-                        "(extract.vllm.reference_layers = 0)")
+        if not settings.reference_check:
+            log.warning("vLLM extract engine: its states are not compared with the checkpoint's own forward "
+                        "(extract.vllm.reference_check = false)")
             return None
-        step_tokens = int(self._resident.engine.vllm_config.scheduler_config.max_num_batched_tokens)
-        length = min(max(PROBE_TOKENS, self._coverage + 6), self.max_model_len - 1)
-        probe = probe_requests([avoid_single_token_tail(length, step_tokens)], self.vocab_size, seed=1)[0]
-        _, layers = entries_to_compare(self.captured, self.num_model_layers, settings.reference_layers)
-        comparison = compare_with_reference(
-            setup.model.path,
-            self.captured,
-            self.num_model_layers,
-            self.dtype,
-            self.reference_states(probe),
-            probe.input_ids,
-            budget=settings.reference_layers,
-            device=reference_device(setup.model.path, layers, settings.tensor_parallel_size),
-        )
-        require_agreement(comparison, "vLLM extract engine")
-        log.info("vLLM extract engine: states as the checkpoint's own: %s", comparison.describe())
+        scheduler = self._resident.engine.vllm_config.scheduler_config
+        step_tokens = int(scheduler.max_num_batched_tokens)
+        engine_on_gpu = self._resident.engine.vllm_config.device_config.device.type == "cuda"
+        decoder = StreamedDecoder(setup.model.path, layout=read_layout(setup.model.path))
+        past_a_step = step_tokens + step_tokens // 2 + self._coverage
+        device = reference_device(decoder, settings.tensor_parallel_size, settings.reference_tokens or past_a_step)
+        beside_gpu = engine_on_gpu and device.type == "cpu"
+        budget = settings.reference_tokens or (HOST_PROBE_TOKENS if beside_gpu else past_a_step)
+        lengths = [avoid_single_token_tail(n, step_tokens) for n in reference_probe_lengths(budget, self.max_model_len - 1)]
+        probes = probe_requests(lengths, self.vocab_size, seed=1)
+        got = [captured.states for captured in self.capture(probes)]  # one batch, as production batches
+        decoder = StreamedDecoder(setup.model.path, device=device, layout=decoder.layout)
+        truth = reference_truth(decoder, [p.input_ids for p in probes], self.captured, self.dtype)
+        comparison = compare_with_truth(got, truth, self.captured)
+        require_agreement(comparison, "vLLM extract engine", "refusing to start (extract.engine = 'transformers' runs "
+                          "the checkpoint's own class)")
+        log.info("vLLM extract engine: states as the checkpoint's own (steps of %d tokens): %s", step_tokens,
+                 comparison.describe())
         return comparison
 
     def close(self) -> None:

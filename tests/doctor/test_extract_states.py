@@ -11,6 +11,7 @@ import pytest
 from dflash_queue.config import load_config
 from dflash_queue.doctor.extract_states import NAME, check_extract_states
 from dflash_queue.doctor.preflight import run_doctor
+from dflash_queue.engines.state_checks import CanaryTolerance
 from dflash_queue.errors import UnsupportedArchitecture
 from dfq_testing.configs import local_copy
 
@@ -48,6 +49,27 @@ def test_no_engine_starts_without_weights_on_the_transformers_engine_or_when_ski
     )
 
 
+def test_an_engine_whose_states_were_compared_with_nothing_is_a_warning_not_a_pass(make_config):
+    """extract.vllm.reference_check = false: the engine starts, having compared nothing with the checkpoint."""
+
+    class Unchecked:
+        reference = None
+        calibrated_noise = 0.0
+        closed = False
+
+        def canary_tolerance(self):
+            return CanaryTolerance.fixed(1e-3)
+
+        def close(self):
+            self.closed = True
+
+    config = make_config("unchecked.toml", extract={"engine": "vllm"}, **{"extract.vllm": {"reference_check": False}})
+    engine = Unchecked()
+    check = check_extract_states(config.extract, config.model, start=lambda: engine)
+    assert check is not None and check.verdict == "warn" and engine.closed
+    assert check.detail.startswith("its states were compared with nothing: extract.vllm.reference_check = false")
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor")
@@ -69,5 +91,5 @@ def test_doctor_fails_an_engine_that_reads_every_request_one_slot_off(make_confi
     assert states.verdict == "fail", states.detail
     # ReferenceMismatch's message: the engine raised it while it loaded.
     assert states.detail.startswith("vLLM extract engine: layer ")
-    assert "differs from the checkpoint's own forward by relative error" in states.detail
+    assert "differs from the checkpoint's own forward: worst token" in states.detail
     assert "more than bfloat16 rounding explains" in states.detail and "refusing to start" in states.detail
