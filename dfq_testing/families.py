@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,11 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_DIM = 32
 NUM_LAYERS = 6
+# A deeper build (build_family's `num_layers`), for faults at one layer among many: only the families whose layers
+# are all alike, since the others' layer patterns are written for NUM_LAYERS.
+DEEP_LAYERS = 16
+UNIFORM_LAYERS = frozenset({"qwen3", "llama", "qwen3_moe", "mistral"})
+_num_layers: ContextVar[int] = ContextVar("num_layers", default=NUM_LAYERS)
 WINDOW = 16  # sliding window: far below the test sequences' lengths
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -56,7 +62,7 @@ def _common(vocab: int, **extra) -> dict:
         "vocab_size": vocab,
         "hidden_size": HIDDEN,
         "intermediate_size": 2 * HIDDEN,
-        "num_hidden_layers": NUM_LAYERS,
+        "num_hidden_layers": _num_layers.get(),
         "num_attention_heads": HEADS,
         "num_key_value_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
@@ -267,25 +273,38 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def build_family(name: str, out_dir: str | Path, tokenizer_dir: str | Path, *, seed: int = 0) -> Path:
+def build_family(
+    name: str, out_dir: str | Path, tokenizer_dir: str | Path, *, seed: int = 0, num_layers: int = NUM_LAYERS
+) -> Path:
     """Write family `name` as a checkpoint (float32 safetensors, the tiny tokenizer, a generation config) into
-    `out_dir` and return it; an existing build is reused."""
+    `out_dir` and return it; an existing build is reused. `num_layers` other than NUM_LAYERS (families in
+    UNIFORM_LAYERS only) builds a deeper (or shallower) checkpoint, its depth recorded in the marker: give it a
+    directory of its own (a build of another depth there is refused)."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
+    if num_layers != NUM_LAYERS and name not in UNIFORM_LAYERS:
+        raise ValueError(f"family {name} is built with {NUM_LAYERS} layers only (its layer pattern is fixed)")
     out_dir = Path(out_dir)
     marker = out_dir / "family.json"
     if marker.is_file():
+        built = json.loads(marker.read_text()).get("num_layers", NUM_LAYERS)
+        if built != num_layers:
+            raise ValueError(f"{out_dir} holds a {built}-layer build of {name}, not {num_layers}")
         return out_dir
     family = FAMILIES[name]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = family.build(len(tokenizer)).to(torch.float32).eval()
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "norm" in name and parameter.dim() == 1:
-                    parameter.add_(torch.randn_like(parameter) * NORM_STD)
+    depth = _num_layers.set(num_layers)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = family.build(len(tokenizer)).to(torch.float32).eval()
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    if "norm" in name and parameter.dim() == 1:
+                        parameter.add_(torch.randn_like(parameter) * NORM_STD)
+    finally:
+        _num_layers.reset(depth)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=[eos, pad], pad_token_id=pad)
@@ -295,7 +314,8 @@ def build_family(name: str, out_dir: str | Path, tokenizer_dir: str | Path, *, s
     for file in _TOKENIZER_FILES:
         if (Path(tokenizer_dir) / file).is_file():
             shutil.copy(Path(tokenizer_dir) / file, tmp / file)
-    (tmp / "family.json").write_text(json.dumps({"family": name, "seed": seed}) + "\n")
+    recorded = {"family": name, "seed": seed} | ({"num_layers": num_layers} if num_layers != NUM_LAYERS else {})
+    (tmp / "family.json").write_text(json.dumps(recorded) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)  # an unfinished build (no marker)
     tmp.rename(out_dir)
     return out_dir

@@ -133,6 +133,19 @@ def tiny_family(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> C
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny_deep_family(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Build (once per session) a deeper tiny checkpoint of a family whose layers are all alike
+    (dfq_testing.families.UNIFORM_LAYERS; DEEP_LAYERS = 16 unless told), in a directory of its own."""
+    from dfq_testing.families import DEEP_LAYERS, build_family
+
+    def build(name: str, num_layers: int = DEEP_LAYERS) -> Path:
+        out_dir = tmp_path_factory.getbasetemp() / f"family-{name}-{num_layers}-layers"
+        return build_family(name, out_dir, tiny_model, num_layers=num_layers)
+
+    return build
+
+
 @pytest.fixture
 def tiny_model_with_template(tiny_model: Path, tmp_path: Path) -> Callable[[str], Path]:
     """A copy of the tiny model whose chat template is replaced."""
