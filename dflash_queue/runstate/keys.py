@@ -188,6 +188,40 @@ class RunKeys:
         """String: since when every inference server of a generate worker is down, and why; expires."""
         return f"{self.servers_down_prefix}{worker}"
 
+    # -- the reference audit (audits.py)
+
+    @property
+    def audit_sequence(self) -> str:
+        """Counter: the next store position of a shard an extract worker stored (one order for the whole run)."""
+        return f"{self.root}:audit:seq"
+
+    @property
+    def audit_worker_prefix(self) -> str:
+        return f"{self.root}:audit:worker:"
+
+    def audit_worker(self, incarnation: str) -> str:
+        """Hash: an extract incarnation's audit state: its node, shards stored since its last audit was sent, when
+        that was, and why it was halted."""
+        return f"{self.audit_worker_prefix}{incarnation}"
+
+    def audit_stored(self, incarnation: str) -> str:
+        """Sorted set: `{epoch}:{shard id}` of each shard an incarnation stored, by store position."""
+        return f"{self.root}:audit:stored:{incarnation}"
+
+    def audit_passed(self, incarnation: str) -> str:
+        """Sorted set: `{epoch}:{shard id}` of each shard of an incarnation whose audit passed, by store position."""
+        return f"{self.root}:audit:passed:{incarnation}"
+
+    @property
+    def audit_shards(self) -> str:
+        """Hash: `{epoch}:{shard id}` -> who stored the shard, at which position, and its audit's verdict (JSON)."""
+        return f"{self.root}:audit:shards"
+
+    @property
+    def suspects(self) -> str:
+        """Hash: `{epoch}:{shard id}` -> why the shard is suspect, and who had consumed it by then (JSON)."""
+        return f"{self.root}:suspects"
+
     # -- dead letters (deadletters/records.py)
 
     @property

@@ -10,6 +10,7 @@ import redis
 
 from dflash_queue.deadletters.records import DeadLetter, DeadLetters
 from dflash_queue.queue.liveness import Incarnation, Liveness
+from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.keys import RunKeys
 from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.server_waits import ServerWaits
@@ -57,6 +58,13 @@ RELEASED = {
     "stopped_workers": "dfq:r:stopped_workers",
     "servers_down_prefix": "dfq:r:servers_down:",
     "servers_down": ("dfq:r:servers_down:host:12", "host:12"),
+    "audit_sequence": "dfq:r:audit:seq",
+    "audit_worker_prefix": "dfq:r:audit:worker:",
+    "audit_worker": ("dfq:r:audit:worker:abc", "abc"),
+    "audit_stored": ("dfq:r:audit:stored:abc", "abc"),
+    "audit_passed": ("dfq:r:audit:passed:abc", "abc"),
+    "audit_shards": "dfq:r:audit:shards",
+    "suspects": "dfq:r:suspects",
     "dead_letters": "dfq:r:dead",
 }
 
@@ -101,13 +109,17 @@ def test_the_components_write_the_released_keys(redis_url):
     StoppedWorkers(client, "r").record(StoppedWorker("node", "extract", "vllm", "checks"))
     ServerWaits(client, "r").note("host:12", 1.0, {"http://a": "refused"}, ttl_s=60)
     DeadLetters(client, "r").add(DeadLetter("d1", "task", "generate", "dfq.generate"))
+    audits = AuditRecords(client, "r")
+    audits.record_stored("s1", 0, "abc", "node", every_shards=1, every_s=0.0)
+    audits.record_passed(audits.stored_shard("s1", 0), "ok")
+    audits.record_failed(audits.stored_shard("s1", 0), "wrong")
 
     expected = {
         value[0] if isinstance(value, tuple) else value
         for name, value in RELEASED.items()
         if not name.endswith("_prefix") and name != "root"
     }
-    expected = {key.replace(":abc", f":{incarnation.id}") for key in expected}
+    expected = {key.replace(":abc", f":{incarnation.id}") if ":audit:" not in key else key for key in expected}
     assert set(client.keys("dfq:*")) == expected
 
 
