@@ -9,7 +9,7 @@ import click
 from rich.console import Console
 
 from dflash_queue.cli.common import architecture_options, config_option, load, model_overrides
-from dflash_queue.lanes.registry import EXTRACT, GENERATE, LANES
+from dflash_queue.lanes.registry import EXTRACT, GENERATE, PIPELINE
 
 
 @click.command()
@@ -85,7 +85,7 @@ def plan(
 
     config = load(config_path, model=model_overrides(model_config, tokenizer_dir))
     tensor_parallel = vllm_tensor_parallel(config.generate, config.extract)
-    per_worker = {lane: gpus_per_worker or tensor_parallel.get(lane, 1) for lane in LANES}
+    per_worker = {spec.name: gpus_per_worker or tensor_parallel.get(spec.name, 1) for spec in PIPELINE}
     gpus = gpus or max(per_worker.values())
     for lane, size in per_worker.items():
         if gpus % size:

@@ -15,6 +15,8 @@ def check_worker_settings(config: Config) -> list[Check]:
     Config: each lane's spec reads the sections its lane uses (lanes/registry.py)."""
     checks = []
     for spec in LANES.values():
+        if not spec.in_use(config):
+            continue
         slots = spec.default_slots(config)
         name = f"{spec.name} worker"
         try:

@@ -88,6 +88,11 @@ class LaneSpec:
     plan_title: str = ""
     # Warnings a worker logs at start-up for this lane's settings, given its task slots.
     startup_warnings: Callable[[Config, int], list[str]] = lambda config, slots: []
+    # A lane of the pipeline every shard passes through (prompts to training shard); False: a side lane that some
+    # shards are sent to (the audit), which moves no shard on and has no place in `plan` or the run's progress.
+    pipeline: bool = True
+    # Whether a run of this config uses the lane at all (a side lane can be turned off).
+    in_use: Callable[[Config], bool] = lambda config: True
 
     @property
     def queue(self) -> str:
@@ -232,13 +237,36 @@ EXTRACT = LaneSpec(
     ),
 )
 
+AUDIT = LaneSpec(
+    name="audit",
+    task_name="dfq.audit",
+    builder="dflash_queue.lanes.audit:build_audit_lane",
+    default_slots=lambda config: 1,  # one reference at a time: it takes the worker's cores or its GPU
+    # It leaves a shard's state as it was: the shard is stored (done) before it is sent here, and stays so.
+    waiting_state=DONE,
+    pending_states=frozenset(),
+    finished_state=DONE,
+    done_states=frozenset({DONE}),
+    counters=(
+        ("audit_samples", "samples"),
+        ("audit_tokens", "tokens"),
+        ("audit_failed", "failed"),
+    ),
+    volume=(("tokens", "", "tokens"),),
+    paced_by="sequence",
+    work_counter="audit_tokens",
+    pipeline=False,
+    in_use=lambda config: config.audit.enabled,
+)
+
 # The lane of a dead letter whose task name or queue names no lane.
 UNKNOWN_LANE = "unknown"
 
-# In pipeline order: the first lane takes staged shards, the last one's output is the training shard.
-LANES: dict[str, LaneSpec] = {spec.name: spec for spec in (GENERATE, EXTRACT)}
-FIRST_LANE = next(iter(LANES.values()))
-FINAL_LANE = next(spec for spec in LANES.values() if spec.next_lane is None)
+# Every lane; the pipeline's in order: the first takes staged shards, the last one's output is the training shard.
+LANES: dict[str, LaneSpec] = {spec.name: spec for spec in (GENERATE, EXTRACT, AUDIT)}
+PIPELINE: tuple[LaneSpec, ...] = tuple(spec for spec in LANES.values() if spec.pipeline)
+FIRST_LANE = PIPELINE[0]
+FINAL_LANE = PIPELINE[-1]
 
 
 def lane(name: str) -> LaneSpec:

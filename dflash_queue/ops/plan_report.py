@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.registry import PIPELINE
 from dflash_queue.ops import humanize
 from dflash_queue.ops.extract_memory import ExtractMemory
 from dflash_queue.ops.planner import BYTES_PER_VALUE, ModelShape, PromptStats, hidden_state_bytes, schedule
@@ -89,7 +89,7 @@ def build_plan(inputs: PlanInputs) -> dict:
         "shards": inputs.shards.to_dict() if inputs.shards else None,
         "extract_memory": inputs.extract_memory.to_dict() if inputs.extract_memory else None,
         "gpus": inputs.gpus,
-        "gpus_per_worker": {name: inputs.gpus_per_worker.get(name, 1) for name in LANES},
+        "gpus_per_worker": {spec.name: inputs.gpus_per_worker.get(spec.name, 1) for spec in PIPELINE},
         "populations": populations,
         # A lane that generates is paced by the tokens it generates; the others by whole sequences (one prefill
         # each).
@@ -99,7 +99,7 @@ def build_plan(inputs: PlanInputs) -> dict:
                 inputs.throughputs.get(name, ()),
                 output if spec.paced_by == "generated" else prompt_tokens_per_prompt + output,
             )
-            for name, spec in LANES.items()
+            for name, spec in ((spec.name, spec) for spec in PIPELINE)
         },
     }
 
@@ -152,8 +152,8 @@ def render_plan(plan: dict) -> Group:
     if memory:
         facts.add_row("extract GPUs", extract_memory_text(memory))
         parts.extend(Text(f"warning: {warning}", style="bold yellow") for warning in memory["warnings"])
-    for lane, spec in LANES.items():
-        what = spec.plan_title
+    for spec in PIPELINE:
+        lane, what = spec.name, spec.plan_title
         if not plan[lane]:
             continue
         per_worker = plan["gpus_per_worker"][lane]

@@ -20,7 +20,7 @@ from dflash_queue.data.config import DatasetConfig
 from dflash_queue.data.samples import Sample
 from dflash_queue.engines.config import ModelConfig
 from dflash_queue.lanes.config import ExtractConfig
-from dflash_queue.lanes.registry import LANES
+from dflash_queue.lanes.registry import PIPELINE
 
 # Expected completion tokens per prompt before any measurement, capped by generate.sampling.max_tokens.
 # Thinking replies of Qwen3-class models on chat data run to a few thousand tokens with a heavy tail (a third
@@ -123,11 +123,12 @@ class Measured:
 
 
 def measured_from_counters(counters: Mapping[str, int]) -> Measured:
-    generating = next(spec for spec in LANES.values() if spec.paced_by == "generated")
+    generating = next(spec for spec in PIPELINE if spec.paced_by == "generated")
     samples = counters.get(generating.samples_counter, 0)
     generated = counters.get(generating.work_counter, 0)
     rates: dict[str, float | None] = {}
-    for name, spec in LANES.items():
+    for spec in PIPELINE:
+        name = spec.name
         work, busy_s = counters.get(spec.work_counter, 0), counters.get(spec.busy_counter, 0) / 1000
         rates[name] = work / busy_s if busy_s > 0 and work else None
     return Measured(

@@ -21,7 +21,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from dflash_queue.config import Config, StorageConfig
 from dflash_queue.deadletters import DeadLetters
-from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, LaneSpec, lane_of_task
+from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, PIPELINE, LaneSpec, lane_of_task
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.queue.liveness import Liveness
 from dflash_queue.redaction import redact
@@ -200,7 +200,8 @@ def collect_status(
         workers = ask_workers(configure_app(config), inspect_timeout)
 
     lanes = {}
-    for name, spec in LANES.items():
+    for spec in PIPELINE:
+        name = spec.name
         failed = [s for s, st in states.items() if st == FAILED and _failed_in(failures.get(s, ""), spec)]
         done = [s for s, st in states.items() if st in spec.done_states]
         if spec is FINAL_LANE:  # its output is the training shard: done means stored

@@ -17,6 +17,8 @@ SHARDS = "shards"
 EPOCHS = "epochs"
 # A record per training shard every consumer acknowledged and retention deleted: what it held, for accounting.
 CONSUMED = "consumed"
+# A mark per training shard the reference audit found suspect (shards/suspects.py): no reader serves it as good.
+SUSPECT = "suspect"
 
 
 def prompts_key(shard_id: str) -> str:
@@ -42,6 +44,15 @@ def epoch_shard_key(shard_id: str, epoch: int) -> str:
 
 def consumed_key(shard_id: str, epoch: int) -> str:
     return f"{CONSUMED}/{epoch}/{shard_id}.json"
+
+
+def suspect_key(shard_id: str, epoch: int) -> str:
+    return f"{SUSPECT}/{epoch}/{shard_id}.json"
+
+
+def suspect_shard_ids(storage: Listable, epoch: int) -> set[str]:
+    """Ids of the training shards of `epoch` marked suspect."""
+    return {shard_id_of(key) for key in storage.list(f"{SUSPECT}/{epoch}/") if key.endswith(".json")}
 
 
 def shard_id_of(key: str) -> str:
