@@ -18,6 +18,11 @@ class UnsupportedArchitecture(ConfigError):
     missing. Raised at load, before any task is taken."""
 
 
+class ReferenceMismatch(UnsupportedArchitecture):
+    """An engine's states differ from the checkpoint's own forward by more than rounding explains: the worker that
+    holds it must not serve (it stops with exit status 78, which the process manager does not restart)."""
+
+
 class PermanentError(DflashQueueError):
     """Retrying cannot help: bad input, a config mismatch, a missing file that should exist."""
 

@@ -15,15 +15,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from dflash_queue.broker.run_broker import forget_url, private_server, record_url
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, Config
 from dflash_queue.lanes.canary_notes import canary_summary
-from dflash_queue.lanes.registry import FINAL_LANE, LANES
+from dflash_queue.lanes.registry import AUDIT, FINAL_LANE, PIPELINE
 from dflash_queue.producer import Producer
 from dflash_queue.prompt_staging import EnqueueReport, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
+from dflash_queue.queue.messages import messages_in
 from dflash_queue.reextraction import check_reextraction, stage_reextraction
 from dflash_queue.run_lock import RunLock
+from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
@@ -45,6 +47,20 @@ class RunSummary:
     canary_worst: float | None = None
     # Shards the ledger showed done whose training file is not in the run's storage.
     shards_missing: list[str] = field(default_factory=list)
+    # Of the run's shards, those a reference audit made suspect, and why (not counted done).
+    shards_suspect: dict[str, str] = field(default_factory=dict)
+    audit_in_use: bool = False
+
+    def _audit(self) -> str:
+        c = self.counters
+        if not c.get("audit_shards", 0):
+            return "no shard audited" if self.audit_in_use else "off (audit.enabled = false)"
+        failed = c.get("audit_failed", 0)
+        return (
+            f"{c['audit_shards']} shard(s) recomputed by the checkpoint's own forward ({c.get('audit_samples', 0)} "
+            f"samples, {c.get('audit_tokens', 0)} tokens): "
+            + (f"{failed} FAILED, {len(self.shards_suspect)} shard(s) suspect" if failed else "all agree")
+        )
 
     def _canary(self) -> str:
         c = self.counters
@@ -60,6 +76,7 @@ class RunSummary:
             f"{self.report.problems.total} bad records skipped, {self.report.too_long.total} too long skipped",
             f"shards:            {self.shards_done} done, {len(self.shards_failed)} failed, "
             + (f"{len(self.shards_missing)} missing from storage, " if self.shards_missing else "")
+            + (f"{len(self.shards_suspect)} suspect, " if self.shards_suspect else "")
             + f"{self.report.skipped_done} were already done",
             f"tokens generated:  {c.get('generate_completion_tokens', 0)} "
             f"(prompts {c.get('generate_prompt_tokens', 0)}; "
@@ -68,6 +85,7 @@ class RunSummary:
             *(f"                   {line}" for line in gate[1:]),
             f"tokens extracted:  {c.get('extract_tokens', 0)} ({c.get('extract_bytes', 0) / 1e6:.1f} MB)",
             f"canary:            {self._canary()}",
+            f"audit:             {self._audit()}",
             f"elapsed:           {self.elapsed_s:.1f} s",
             f"training shards:   {self.output}",
         ]
@@ -79,6 +97,8 @@ class RunSummary:
             lines.extend("  " + line for line in self.report.too_long.lines())
         for shard_id, error in self.shards_failed.items():
             lines.append(f"failed shard {shard_id}: {error}")
+        for shard_id, reason in self.shards_suspect.items():
+            lines.append(f"suspect shard {shard_id}: {reason} (`dflash-queue suspects reextract` once fixed)")
         for shard_id in self.shards_missing:
             lines.append(
                 f"missing shard {shard_id}: marked done, but {self.output}{shard_id}.safetensors does not exist"
@@ -188,7 +208,9 @@ def run_single_box(
         before = ledger.counters()
 
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}
-        lanes = [FINAL_LANE.name] if reextract_from is not None else list(LANES)
+        lanes = [FINAL_LANE.name] if reextract_from is not None else [spec.name for spec in PIPELINE]
+        if AUDIT.in_use(config):
+            lanes.append(AUDIT.name)
         workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in lanes]
         stack.callback(stop_workers, workers, console, config.broker.task_timeout_s)
         for worker in workers:
@@ -219,10 +241,19 @@ def run_single_box(
                     break
                 _check_alive(workers)
                 time.sleep(poll_s)
+            if AUDIT.in_use(config):
+                auditing = progress.add_task("audit    (shards) ", total=None)
+                while waiting := messages_in(ledger.client, AUDIT.queue):
+                    progress.update(auditing, description=f"audit    ({waiting} shard(s) to go)")
+                    _check_alive(workers)
+                    time.sleep(poll_s)
+                progress.update(auditing, description="audit    (done)  ", total=1, completed=1)
             serve_consumers(ShardWindow(ledger.client, config.run.name), ledger, workers, console, poll_s)
 
         after = ledger.counters()
         canary_worst = ledger.maxima().get(CANARY_ERROR)
+        suspect = {s.shard: s.reason for s in AuditRecords(ledger.client, config.run.name).suspects()
+                   if s.epoch == 0 and s.shard in pending}
         # Done is what storage holds, not what the ledger says.
         stored = stored_shard_ids(producer.storage)
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
@@ -231,9 +262,11 @@ def run_single_box(
         report=report,
         counters=delta,
         elapsed_s=time.monotonic() - started,
-        shards_done=len(pending & stored),
+        shards_done=len((pending & stored) - set(suspect)),
         shards_failed=failed,
         shards_missing=missing,
+        shards_suspect=suspect,
+        audit_in_use=AUDIT.in_use(config),
         output=f"{config.storage.url.rstrip('/')}/{SHARDS}/",
         canary_worst=canary_worst,
     )

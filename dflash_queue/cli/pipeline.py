@@ -156,7 +156,7 @@ def _run_job(config_path: Path, config, datasets: list[Path], **options) -> None
         sys.exit(130)
     for line in summary.lines():
         click.echo(line)
-    if summary.shards_failed or summary.shards_missing:
+    if summary.shards_failed or summary.shards_missing or summary.shards_suspect:
         sys.exit(1)
 
 

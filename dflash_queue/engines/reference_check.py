@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_queue.engines.streamed_reference import StreamedDecoder
-from dflash_queue.errors import UnsupportedArchitecture
+from dflash_queue.errors import ReferenceMismatch
 from dflash_queue.shards.fp8 import dequantize_fp8, quantize_fp8
 
 log = logging.getLogger(__name__)
@@ -53,10 +53,6 @@ PROBE_SEQUENCES = 4
 # The probe's tokens when the reference runs on host cores beside a GPU engine: a 27B target's two passes over them
 # take minutes of a host's cores (docs/extraction.md); the run-time audit covers the long sequences.
 HOST_PROBE_TOKENS = 1024
-
-
-class ReferenceMismatch(UnsupportedArchitecture):
-    """The engine's states differ from the checkpoint's own forward by more than rounding explains."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from celery import Celery, signals
 
@@ -51,6 +52,8 @@ class Heartbeat:
         self.incarnation = Incarnation.of_this_process(node)
         self.liveness = Liveness(resilient_client(broker_url), run_name, ttl_s)
         self.interval_s = ttl_s / 3
+        # Called after every beat (an extract worker looks whether a reference audit halted it).
+        self.on_beat: list[Callable[[], object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dfq-heartbeat", daemon=True)
 
@@ -118,6 +121,8 @@ class Heartbeat:
                 "put back on %s: task %s (shard %s) held by %s, whose heartbeat stopped or whose process is gone",
                 message.queue, message.task_id, message.shard_id, message.node,
             )
+        for callback in self.on_beat:
+            callback()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

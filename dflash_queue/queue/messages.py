@@ -49,3 +49,17 @@ def message_places(client: Any, queues: Iterable[str]) -> dict[str, str]:
                 if shard_id:
                     places.setdefault(shard_id, f"waiting in the {queue} queue")
     return places
+
+
+def messages_in(client: Any, queue: str) -> int:
+    """Messages of `queue` not yet done: waiting in it, or taken by a worker and not yet acknowledged."""
+    waiting = sum(
+        client.llen(f"{queue}{Channel.sep}{priority}" if priority else queue) for priority in PRIORITY_STEPS
+    )
+    taken = 0
+    for raw in client.hvals(Channel.unacked_key):
+        try:
+            taken += json.loads(raw)[2] == queue
+        except (ValueError, IndexError, TypeError):
+            continue
+    return waiting + taken

@@ -18,6 +18,7 @@ from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import ResidentLane
 from dflash_queue.queue.check_streak import FailedCheckStreak
+from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
 from dflash_queue.runstate.window import ShardWindow
@@ -43,6 +44,8 @@ class WorkerRuntime:
     exit_code: int = 0
     # The worker's node name (Celery's hostname), under which a stop is recorded.
     node: str = ""
+    # The worker process's incarnation id (queue/liveness.py): who stored a shard, for the reference audit.
+    incarnation: str = ""
     check_streak: FailedCheckStreak = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +87,22 @@ class WorkerRuntime:
         self.request_stop(reason, EXIT_FAILING_CHECKS)
 
     def begin_shutdown(self) -> None:
+    @cached_property
+    def audits(self) -> AuditRecords:
+        """The reference audit's records (runstate/audits.py), on the ledger's connection."""
+        return AuditRecords(self.ledger.client, self.config.run.name)
+
+    def stop_for_failed_audit(self, lane: str, reason: str) -> None:
+        """A reference audit found a shard this worker process stored to differ from the checkpoint's own forward:
+        record why (for `status`) and stop, with a status the process manager does not restart on."""
+        engine = _engine_name(self.lanes.get(lane), lane)
+        stopped = StoppedWorker(self.node, lane, engine, f"halted by the reference audit: {reason}")
+        try:
+            self.stopped_workers.record(stopped)
+        except Exception:  # the stop must happen even when the broker is unreachable
+            logging.getLogger(__name__).exception("could not record why this worker stops")
+        self.request_stop(stopped.reason, EXIT_FAILING_CHECKS)
+
         """Warm shutdown began: lanes stop taking up new work (running work finishes)."""
         for lane in self.lanes.values():
             begin = getattr(lane, "begin_shutdown", None)

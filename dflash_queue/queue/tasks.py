@@ -27,7 +27,10 @@ The body (`run_lane_task`):
 8. the lane, timed with 7 by the lane's busy clock;
 9. dead letters of the samples the lane left out;
 10. counting: the shard's counters added once (none for a skip), its maxima recorded;
-11. handing on: the shard's state moved on, its dead letters settled, a message to the next lane.
+11. audit hand-off (the final lane): the stored shard recorded for the reference audit, sent to the audit lane when
+    due (before 12: a shard shows done with its audit queued); a worker an audit halted takes no task
+    (queue/audit_halt.py: checked before 6);
+12. handing on: the shard's state moved on, its dead letters settled, a message to the next lane.
 """
 
 from __future__ import annotations
@@ -36,11 +39,13 @@ from celery import Task
 from celery.utils.log import get_task_logger
 
 from dflash_queue.deadletters.recording import shard_of
-from dflash_queue.lanes.registry import LANES, LaneSpec, LaneSummary, lane_of_task
+from dflash_queue.lanes.registry import FINAL_LANE, LANES, LaneSpec, LaneSummary, lane_of_task
 from dflash_queue.queue.app import app
+from dflash_queue.queue.audit_halt import refuse_if_halted
 from dflash_queue.queue.busy import BusyClock
 from dflash_queue.queue.runtime import WorkerRuntime
 from dflash_queue.queue.steps.already_stored import run_unless_stored
+from dflash_queue.queue.steps.audit_handoff import AuditHandOff
 from dflash_queue.queue.steps.counting import ShardCounters
 from dflash_queue.queue.steps.dead_letters import DeadLettering
 from dflash_queue.queue.steps.deliveries import DeliveryCount
@@ -117,6 +122,8 @@ def run_lane_task(task: LaneTask, spec: LaneSpec, message: LaneMessage) -> LaneS
     rt = task.runtime
     shard_id = message.shard_id
     check_fingerprint(message, rt.fingerprint, rt.config.source)
+    if spec is FINAL_LANE:
+        refuse_if_halted(rt, spec.name, shard_id)
     with transient_retries(task, rt.config.broker, rt.config.storage, shard_id), BUSY[spec.name].task() as timing:
         summary = run_unless_stored(rt.lane(spec.name), message)
     task.dead_lettering(rt).samples_poisoned(
@@ -128,9 +135,21 @@ def run_lane_task(task: LaneTask, spec: LaneSpec, message: LaneMessage) -> LaneS
         counts = {**summary.counters(), spec.busy_counter: timing.busy_ms}
         counters.count_once(spec.name, message, task.request.id, counts)
     counters.record_maxima(summary.maxima())
+    if spec is FINAL_LANE and not summary.skipped:  # before the shard shows done: its audit is then queued
+        lane = rt.lane(spec.name)
+        storage = getattr(lane, "storage", None) or rt.storage
+        assert storage is not None, "the final lane stores its shards somewhere"
+        hand_off = AuditHandOff(rt.audits, storage, rt.config.audit, send_to_lane)
+        hand_off(message, summary.handed_on, incarnation=rt.incarnation, node=rt.node, dtype=_computed_in(lane))
     HandOn(rt.ledger, rt.consumption, rt.dead_letters, send_to_lane)(spec, message, summary.handed_on)
     log.info("%s", summary.describe())
     return summary
+
+
+def _computed_in(lane: object) -> str:
+    """The dtype the lane's engine computes in ("bfloat16"), as the reference audit compares it."""
+    dtype = getattr(getattr(lane, "extractor", None), "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else ""
 
 
 def _register(spec: LaneSpec) -> Task:

@@ -41,13 +41,14 @@ from dflash_queue import faults
 from dflash_queue.config import Config
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.doctor.broker import durability_warnings, login_error
-from dflash_queue.errors import BrokerLoginRefused
-from dflash_queue.lanes.registry import lane
+from dflash_queue.errors import BrokerLoginRefused, ReferenceMismatch
+from dflash_queue.lanes.registry import FINAL_LANE, lane
 from dflash_queue.queue.app import LaneApp, configure_app
+from dflash_queue.queue.audit_halt import stop_if_halted
 from dflash_queue.queue.heartbeat import Heartbeat
 from dflash_queue.queue.runtime import EXIT_ENGINE_LOST, WorkerRuntime
 from dflash_queue.runstate.ledger import Ledger
-from dflash_queue.runstate.stopped_workers import StoppedWorkers
+from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
 from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.checks import require_storage
 from dflash_queue.storage.config import StorageConfig
@@ -105,15 +106,25 @@ def run_worker(
     if before is not None:
         log.warning("a worker named %s stopped before: %s", node, before.reason)
     log.info("loading the %s engine for %s", spec.name, config.model.display_name)
+    try:
+        resident = spec.build(config, storage)
+    except ReferenceMismatch as exc:  # not the shards' fault: a restart would load into the same mismatch
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("the %s engine refused to start: %s", spec.name, reason)
+        StoppedWorkers(ledger.client, config.run.name).record(StoppedWorker(node, spec.name, config.extract.engine, reason))
+        return EXIT_FAILING_CHECKS
     rt = WorkerRuntime(
         config=config,
         fingerprint=config.fingerprint(),
         ledger=ledger,
-        lanes={spec.name: spec.build(config, storage)},
+        lanes={spec.name: resident},
         dead_letters=DeadLetters.from_url(broker_url, config.run.name),
         storage=storage,
         node=node,
+        incarnation=heartbeat.incarnation.id,
     )
+    if spec is FINAL_LANE:
+        heartbeat.on_beat.append(lambda: stop_if_halted(rt, spec.name))
     _attach(app, rt, heartbeat)
     code = app.start(
         [

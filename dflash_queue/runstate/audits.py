@@ -95,6 +95,7 @@ class StoredShard:
     node: str
     position: int
     time: float
+    dtype: str = ""  # what the engine computed in ("bfloat16"), as the worker that stored it said
     verdict: str = ""  # "", "passed" or "failed"
     detail: str = ""
 
@@ -155,12 +156,14 @@ class AuditRecords:
         *,
         every_shards: int,
         every_s: float,
+        dtype: str = "",
         now: float | None = None,
     ) -> StoreVerdict:
-        """An extract incarnation stored a shard: its store position, whether its audit is due, and whether the
-        incarnation was halted (the shard is then suspect already)."""
+        """An extract incarnation stored a shard (its engine computing in `dtype`): its store position, whether its
+        audit is due, and whether the incarnation was halted (the shard is then suspect already)."""
         now = time.time() if now is None else now
-        record = {"shard": shard_id, "epoch": epoch, "incarnation": incarnation, "node": node, "time": now}
+        record = {"shard": shard_id, "epoch": epoch, "incarnation": incarnation, "node": node, "time": now,
+                  "dtype": dtype}
         keys = self.keys
         position, due, halted = self._stored(
             keys=[keys.audit_sequence, keys.audit_worker(incarnation), keys.audit_stored(incarnation),
@@ -176,7 +179,7 @@ class AuditRecords:
         raw = json.loads(text)
         return StoredShard(
             shard=shard_id, epoch=epoch, incarnation=str(raw.get("incarnation", "")), node=str(raw.get("node", "")),
-            position=int(raw.get("position", 0)), time=float(raw.get("time", 0.0)),
+            position=int(raw.get("position", 0)), time=float(raw.get("time", 0.0)), dtype=str(raw.get("dtype", "")),
             verdict=str(raw.get("verdict", "")), detail=str(raw.get("detail", "")),
         )
 
@@ -206,6 +209,13 @@ class AuditRecords:
             Suspect(shard_id, epoch, stored.incarnation, stored.node, reason, stored.shard, now)
             for shard_id, epoch in map(split_member, made)
         ]
+
+    def add_suspect(self, suspect: Suspect, now: float | None = None) -> Suspect:
+        """A shard made suspect outside a worker's record (its storing worker unknown to the broker)."""
+        if not suspect.time:
+            suspect = Suspect(**{**asdict(suspect), "time": time.time() if now is None else now})
+        self.client.hset(self.keys.suspects, member(suspect.shard, suspect.epoch), suspect.to_json())
+        return suspect
 
     def note_consumed(self, suspect: Suspect, consumers: list[str]) -> Suspect:
         """Record who had consumed a shard when it turned suspect (the live dataset's acknowledgements)."""

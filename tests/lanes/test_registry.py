@@ -10,23 +10,37 @@ import pytest
 from dflash_queue.deadletters import SAMPLE, TASK, DeadLetter, record_id
 from dflash_queue.deadletters.recording import dead_letter_task
 from dflash_queue.deadletters.requeue import plan
-from dflash_queue.lanes.registry import EXTRACT, FINAL_LANE, FIRST_LANE, GENERATE, LANES, lane, lane_of_task
+from dflash_queue.lanes.registry import (
+    AUDIT,
+    EXTRACT,
+    FINAL_LANE,
+    FIRST_LANE,
+    GENERATE,
+    LANES,
+    PIPELINE,
+    lane,
+    lane_of_task,
+)
 from dflash_queue.queue.app import LaneApp, celery_settings
 from dflash_queue.queue.tasks import LANE_TASKS
 from dflash_queue.runstate.ledger import DONE, GENERATED, QUEUED
 
 
-def test_the_pipeline_runs_from_the_first_lane_to_the_final_one_through_every_lane():
+def test_the_pipeline_runs_from_the_first_lane_to_the_final_one_through_every_pipeline_lane():
     order, spec = [], FIRST_LANE
     while spec is not None:
         order.append(spec.name)
         spec = LANES[spec.next_lane] if spec.next_lane is not None else None
-    assert order == list(LANES) == ["generate", "extract"]
+    assert order == [spec.name for spec in PIPELINE] == ["generate", "extract"]
     assert FINAL_LANE is EXTRACT and FIRST_LANE is GENERATE
+    # The audit is a side lane: no lane leads to it, it leads nowhere, and it leaves a shard's state as it was.
+    assert list(LANES) == ["generate", "extract", "audit"] and not AUDIT.pipeline and AUDIT.next_lane is None
+    assert all(spec.next_lane != AUDIT.name for spec in LANES.values())
+    assert AUDIT.waiting_state == AUDIT.finished_state == DONE and not AUDIT.pending_states
     # A shard a lane leaves behind is waiting for the next lane, and done for this one.
     assert GENERATE.finished_state == EXTRACT.waiting_state == GENERATED
     assert GENERATE.waiting_state == QUEUED and EXTRACT.finished_state == DONE
-    for spec in LANES.values():
+    for spec in PIPELINE:
         assert spec.finished_state in spec.done_states and spec.waiting_state in spec.pending_states
         assert not spec.done_states & spec.pending_states
 
@@ -35,8 +49,8 @@ def test_lanes_are_found_by_name_and_by_task_name():
     for name, spec in LANES.items():
         assert lane(name) is spec and lane_of_task(spec.task_name) is spec
     assert lane_of_task("dfq.no_such_task") is None
-    with pytest.raises(ValueError, match=r"unknown lane 'audit'; expected one of \['extract', 'generate'\]"):
-        lane("audit")
+    with pytest.raises(ValueError, match=r"unknown lane 'verify'; expected one of \['audit', 'extract', 'generate'\]"):
+        lane("verify")
 
 
 def test_each_builder_names_a_function_of_the_lane_module():

@@ -140,10 +140,13 @@ def test_layout_errors_and_warnings(make_config, tmp_path):
         UnitLayout({"generate": ((0, 1), (1,))}).check()
     with pytest.raises(ValueError, match="GPU 4 is not one of this node's GPUs"):
         UnitLayout({"extract": ((4,),)}).check((0, 1, 2, 3))
-    with pytest.raises(ValueError, match="no workers: give --generate and/or --extract GPU groups"):
+    with pytest.raises(ValueError, match="no workers: give --generate and/or --extract and/or --audit GPU groups"):
         UnitLayout().check()
-    with pytest.raises(ValueError, match=r"unknown lane\(s\) \['audit'\]"):
-        UnitLayout({"audit": ((0,),)}).check()
+    with pytest.raises(ValueError, match=r"unknown lane\(s\) \['verify'\]"):
+        UnitLayout({"verify": ((0,),)}).check()
+    # The reference audit's workers: a spare GPU of the node (or cores beside an extract worker's GPU).
+    assert UnitLayout({"extract": ((0,),), "audit": ((1,),)}).check() == []
+    assert UnitLayout({"audit": ((7,),)}).instances() == ["dflash-audit@7.service", "dflash-flower.service"]
     assert UnitLayout({"extract": ((0,), (1,)), "generate": ((0,), (2,))}).check() == [
         "GPUs [0] run workers of several lanes (generate, extract): every engine must fit in memory"
     ]
