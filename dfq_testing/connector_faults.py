@@ -46,7 +46,7 @@ load-time probes included: these stand for bugs that are the same batched and al
   token ids and the other's rows. The first of a pair to finish is held (its blocks stay allocated, nothing is
   written) until its partner finishes; then both are gathered (with the row rules above) and each is handed over
   with the other's rows. Partners of different lengths get both an `.error` file. A pair's sample rerun alone (the
-  canary) waits for a partner that never comes: its states never arrive and the worker's wait for them ends it.
+  canary) is handed over as computed: a request alone has no batch to be mixed with.
 """
 
 from __future__ import annotations
@@ -232,7 +232,8 @@ def patch(connector_class: type, rules: list[dict[str, Any]]) -> None:
     @functools.wraps(send)
     def _send(self: Any, transfer: Any) -> None:
         faults = _faults(self, rules)
-        partner = _partner(faults.rules, transfer.sample)
+        # A request run alone (the canary's rerun) has no batch to be mixed with: a swap is a batching bug.
+        partner = None if transfer.canary else _partner(faults.rules, transfer.sample)
         if partner is None:
             return send(self, transfer)
         first = faults.held.pop(partner, None)

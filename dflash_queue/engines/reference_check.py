@@ -217,7 +217,8 @@ def require_agreement(comparison: ReferenceComparison, engine: str, consequence:
         f"(bound {worst.bound:.1e}), more than {dtype} rounding explains ({len(beyond)} of "
         f"{len(comparison.entries)} entries beyond their bounds; {comparison.describe()}): these states are not the "
         "model's (a layer or token off by one, rows read from the wrong cache slots or of another request, a state "
-        "taken after the final norm, a kernel computing something else)" + (f"; {consequence}" if consequence else "")
+        "taken after the final norm, a kernel computing something else)" + (f"; {consequence}" if consequence else ""),
+        comparison,
     )
 
 

@@ -337,6 +337,8 @@ class VllmStateExtractor:
         self.concurrent_tasks = settings.inflight_tasks
         self.device = torch.device("cpu")  # states arrive in host memory
         self.configured_tolerance = setup.canary_tolerance
+        self._model_path = setup.model.path
+        self._decoder: StreamedDecoder | None = None  # the checkpoint's own forward (engines/reference_check.py)
         self._captures = iter(range(1 << 62))
         self._captures_lock = threading.Lock()
 
@@ -597,20 +599,21 @@ class VllmStateExtractor:
             log.warning("vLLM extract engine: its states are not compared with the checkpoint's own forward "
                         "(extract.vllm.reference_check = false)")
             return None
-        scheduler = self._resident.engine.vllm_config.scheduler_config
-        step_tokens = int(scheduler.max_num_batched_tokens)
+        step_tokens = int(self._resident.engine.vllm_config.scheduler_config.max_num_batched_tokens)
         engine_on_gpu = self._resident.engine.vllm_config.device_config.device.type == "cuda"
-        decoder = StreamedDecoder(setup.model.path, layout=read_layout(setup.model.path))
+        self._decoder = StreamedDecoder(setup.model.path, layout=read_layout(setup.model.path))
         past_a_step = step_tokens + step_tokens // 2 + self._coverage
-        device = reference_device(decoder, settings.tensor_parallel_size, settings.reference_tokens or past_a_step)
-        beside_gpu = engine_on_gpu and device.type == "cpu"
+        self._decoder = StreamedDecoder(
+            setup.model.path,
+            device=reference_device(
+                self._decoder, settings.tensor_parallel_size, settings.reference_tokens or past_a_step
+            ),
+            layout=self._decoder.layout,
+        )
+        beside_gpu = engine_on_gpu and self._decoder.device.type == "cpu"
         budget = settings.reference_tokens or (HOST_PROBE_TOKENS if beside_gpu else past_a_step)
         lengths = [avoid_single_token_tail(n, step_tokens) for n in reference_probe_lengths(budget, self.max_model_len - 1)]
-        probes = probe_requests(lengths, self.vocab_size, seed=1)
-        got = [captured.states for captured in self.capture(probes)]  # one batch, as production batches
-        decoder = StreamedDecoder(setup.model.path, device=device, layout=decoder.layout)
-        truth = reference_truth(decoder, [p.input_ids for p in probes], self.captured, self.dtype)
-        comparison = compare_with_truth(got, truth, self.captured)
+        comparison = self.compare_with_checkpoint(probe_requests(lengths, self.vocab_size, seed=1))
         require_agreement(comparison, "vLLM extract engine", "refusing to start (extract.engine = 'transformers' runs "
                           "the checkpoint's own class)")
         log.info("vLLM extract engine: states as the checkpoint's own (steps of %d tokens): %s", step_tokens,
@@ -622,5 +625,14 @@ class VllmStateExtractor:
         try:
             if resident is not None:
                 resident.close()  # stopping its loop cancels the arrivals' scanner too
+    def compare_with_checkpoint(self, requests: Sequence[ExtractionRequest]) -> ReferenceComparison:
+        """These sequences run as one batch, as production batches them, against the checkpoint's own forward
+        (streamed on the reference's device), at every captured entry."""
+        if self._decoder is None:
+            self._decoder = StreamedDecoder(self._model_path)
+        got = [captured.states for captured in self.capture(requests)]
+        truth = reference_truth(self._decoder, [r.input_ids for r in requests], self.captured, self.dtype)
+        return compare_with_truth(got, truth, self.captured)
+
         finally:
             shutil.rmtree(self.transfer_dir, ignore_errors=True)

@@ -203,3 +203,31 @@ def test_environment_gives_a_subprocess_the_patch_and_without_the_variable_nothi
     assert {name: os.environ.get(name) for name in before} == before
     with pytest.raises(ValueError, match="kind 'nope'"):
         connector_faults.environment([{"kind": "nope"}])
+
+
+@pytest.mark.parametrize(
+    ("faulted", "beyond"),
+    [
+        (["outside-offset"], [DEEPEST]),  # the deepest decoder layer alone
+        (["outside-norm"], [LAST, NORMED]),  # the last state after the final norm (and the norm applied again)
+        (["outside-slot"], list(range(len(CAPTURED)))),  # rows one slot off past a chunk's boundary
+        (["outside-swap-a", "outside-swap-b"], list(range(len(CAPTURED)))),  # two requests' states exchanged
+    ],
+)
+def test_the_checkpoint_comparison_of_the_load_check_refuses_each_fault_naming_its_entries(
+    extractor, requests, faulted, beyond
+):
+    """What the engine's load check runs (`compare_with_checkpoint` over a batch, then `require_agreement`), on
+    batches holding a faulted request: the entries the fault touched are beyond their bounds, the others are not."""
+    from dflash_queue.engines.reference_check import require_agreement
+    from dflash_queue.errors import ReferenceMismatch
+
+    clean = extractor.compare_with_checkpoint([requests["outside-clean"]])
+    assert clean.agrees and clean.dtype == torch.float32
+    comparison = extractor.compare_with_checkpoint([requests["outside-clean"], *(requests[n] for n in faulted)])
+    assert [k for k, entry in enumerate(comparison.entries) if not entry.agrees] == beyond
+    assert all(comparison.entries[k].token_error > 10 * comparison.entries[k].token_bound for k in beyond)
+    with pytest.raises(ReferenceMismatch, match="more than float32 rounding explains") as refused:
+        require_agreement(comparison, "vLLM extract engine")
+    assert refused.value.comparison is comparison
+    assert comparison.worst.name in str(refused.value)
