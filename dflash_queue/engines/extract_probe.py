@@ -5,7 +5,7 @@ Probe sequences long enough to exercise every token mixer the config declares (p
 attention chunk, past a 64-token linear-attention chunk: `probe_length`) run alone through the model's own
 attention (the reference). In the chosen mode, each then runs first in a pass of its own, where nothing can leak
 into it: its difference from the reference is the pass's numerical noise, and the canary's tolerance is a multiple
-of it (`state_checks.CanaryTolerance`). Then all run in one pass: a sequence that follows another within the
+of it (`state_checks.CanaryTolerance`: over the whole sample, its first tokens, and the worst single token). Then all run in one pass: a sequence that follows another within the
 tolerance is exact. Packed and not exact: fall back to padded batches and say so. Padded and not exact either:
 refuse the model before any task is taken. The outcome is logged with the errors measured, so every worker says
 how it extracts.
@@ -100,14 +100,17 @@ def confirm_mode(extractor: ProbedExtractor) -> tuple[str, CanaryTolerance]:
         if _within(differences, tolerance):
             log.info(
                 "extraction for %s: %s (probe of %s tokens: max relative error %.2e against sequences run alone; "
-                "canary tolerance %.1e whole sample, %.1e first tokens, from a noise of %.1e / %.1e)",
+                "canary tolerance %.1e whole sample, %.1e first tokens, %.1e per token, from a noise of %.1e / %.1e "
+                "/ %.1e)",
                 profile.text_model_type, mode_label(extractor, mode), "/".join(map(str, lengths)), error,
-                tolerance.whole, tolerance.head, tolerance.noise_whole, tolerance.noise_head,
+                tolerance.whole, tolerance.head, tolerance.token, tolerance.noise_whole, tolerance.noise_head,
+                tolerance.noise_token,
             )
             return mode, tolerance
-        log.warning("extraction for %s: %s is not exact (probe: relative error %.2e, first tokens %.2e; tolerance "
-                    "%.1e / %.1e)", profile.text_model_type, mode_label(extractor, mode), error,
-                    max(d.worst_head for d in differences), tolerance.whole, tolerance.head)
+        log.warning("extraction for %s: %s is not exact (probe: relative error %.2e, first tokens %.2e, worst token "
+                    "%.2e; tolerance %.1e / %.1e / %.1e)", profile.text_model_type, mode_label(extractor, mode), error,
+                    max(d.worst_head for d in differences), max(d.worst_focus_token for d in differences),
+                    tolerance.whole, tolerance.head, tolerance.token)
     raise UnsupportedArchitecture(
         f"{profile.text_model_type}: neither packed nor padded extraction reproduces a sequence run alone "
         f"(relative error {error:.2e} > {tolerance.whole:.1e}); refusing to extract states that would be wrong"
@@ -130,7 +133,10 @@ def first_in_pass(extractor: ProbedExtractor, request, filler) -> torch.Tensor:
 
 
 def _within(differences: list[StateDifference], tolerance: CanaryTolerance) -> bool:
-    return all(d.worst <= tolerance.whole and d.worst_head <= tolerance.head for d in differences)
+    return all(
+        d.worst <= tolerance.whole and d.worst_head <= tolerance.head and d.worst_focus_token <= tolerance.token
+        for d in differences
+    )
 
 
 def mode_label(extractor: ProbedExtractor, mode: str) -> str:

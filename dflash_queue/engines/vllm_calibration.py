@@ -16,7 +16,9 @@ groups submitted at the same time from different threads, as the lane's concurre
 difference from the sequence alone is one draw of the noise. The tolerance is state_checks.CALIBRATION_FACTOR
 times the largest draw, between the dtype's floor and ceiling (TOLERANCE_FLOORS, TOLERANCE_CEILINGS: below what a
 swap or a shift gives, whatever the noise); over the first tokens the same noise lands on fewer tokens, so the
-head's tolerance is at least the whole sample's. Whether the engine computes the model at all is judged on the
+head's tolerance is at least the whole sample's. The per-token bound is state_checks.TOKEN_CALIBRATION_FACTOR times
+the largest error of any one probe token in any draw (every probe token counts: probes share no prefix and have no
+completion), between TOKEN_FLOORS and TOKEN_CEILINGS. Whether the engine computes the model at all is judged on the
 median draw, which a systematic batching error moves and the noise's rare large draws do not.
 """
 
@@ -125,6 +127,7 @@ def calibrate_batched(
         list(pool.map(compare_group, slices))  # as the lane's concurrent tasks submit them
     noise_whole = max((d.worst for d in differences), default=0.0)
     noise_head = max([noise_whole] + [d.worst_head for d in differences])
-    tolerance = CanaryTolerance.calibrated(dtype, noise_whole, noise_head)
+    noise_token = max((d.worst_focus_token for d in differences), default=0.0)  # every probe token matters
+    tolerance = CanaryTolerance.calibrated(dtype, noise_whole, noise_head, noise_token)
     lengths = tuple(len(p.input_ids) for p in probes)
     return Calibration(tolerance, lengths, tuple(differences), time.perf_counter() - started)

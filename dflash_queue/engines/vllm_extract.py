@@ -571,18 +571,23 @@ class VllmStateExtractor:
                 "rounding explains: this engine does not extract this model exactly (extract.engine = "
                 "'transformers' may)"
             )
-        tolerance = CanaryTolerance.fixed(self.configured_tolerance) if self.configured_tolerance else measured
+        configured = self.configured_tolerance
+        tolerance = measured.configured(configured, self.dtype) if configured else measured
         log.info(
             "vLLM extract engine: probe sequences of %s tokens (steps of %d tokens) batched vs alone differ by %.2e "
-            "relative at most (median %.2e, first tokens %.2e, %s); canary tolerance %.2e whole sample, %.2e first "
-            "tokens%s (%.1f s)",
-            shown, step_tokens, noise, calibration.typical, measured.noise_head,
+            "relative at most (median %.2e, first tokens %.2e, worst token %.2e, %s); canary tolerance %.2e whole "
+            "sample, %.2e first tokens%s, %.2e per token (%.1f s)",
+            shown, step_tokens, noise, calibration.typical, measured.noise_head, measured.noise_token,
             str(self.dtype).removeprefix("torch."), tolerance.whole, tolerance.head,
-            " (extract.canary_tolerance)" if self.configured_tolerance else "", calibration.seconds,
+            " (extract.canary_tolerance)" if configured else "", tolerance.token, calibration.seconds,
         )
         if noise > tolerance.whole:
             log.warning("vLLM extract engine: a probe differs batched from alone by more than the canary's tolerance "
                         "(%.2e > %.2e): expect canary mismatches on this engine", noise, tolerance.whole)
+        if measured.noise_token > tolerance.token:
+            log.warning("vLLM extract engine: a probe token differs batched from alone by more than the canary's "
+                        "per-token bound (%.2e > %.2e, the %s ceiling): expect canary mismatches on this engine",
+                        measured.noise_token, tolerance.token, str(self.dtype).removeprefix("torch."))
         return noise, tolerance
 
     def _check_reference(self, setup: VllmExtractSettings) -> ReferenceComparison | None:
@@ -620,11 +625,6 @@ class VllmStateExtractor:
                  comparison.describe())
         return comparison
 
-    def close(self) -> None:
-        resident = getattr(self, "_resident", None)
-        try:
-            if resident is not None:
-                resident.close()  # stopping its loop cancels the arrivals' scanner too
     def compare_with_checkpoint(self, requests: Sequence[ExtractionRequest]) -> ReferenceComparison:
         """These sequences run as one batch, as production batches them, against the checkpoint's own forward
         (streamed on the reference's device), at every captured entry."""
@@ -634,5 +634,10 @@ class VllmStateExtractor:
         truth = reference_truth(self._decoder, [r.input_ids for r in requests], self.captured, self.dtype)
         return compare_with_truth(got, truth, self.captured)
 
+    def close(self) -> None:
+        resident = getattr(self, "_resident", None)
+        try:
+            if resident is not None:
+                resident.close()  # stopping its loop cancels the arrivals' scanner too
         finally:
             shutil.rmtree(self.transfer_dir, ignore_errors=True)

@@ -11,19 +11,35 @@ from pydantic import Field
 from dflash_queue.config.sections import Section
 from dflash_queue.engines.config import ExtractEngineSettings
 
+# The largest extract.canary_tolerance: the loosest tolerance a calibration gives in any dtype
+# (engines/state_checks.TOLERANCE_CEILINGS, which config loading does not import: it imports no torch).
+CANARY_TOLERANCE_MAX = 0.25
+
 
 class ExtractConfig(ExtractEngineSettings):
     canary_samples: Annotated[int, Field(ge=0)] = 1
     """Samples per shard recomputed alone and compared with their states from the shared pass (chosen from the shard
     id, so a re-delivery checks the same ones): through the model's own attention (Transformers engine), or as a
     batch of one through the same engine (vLLM). 0 turns the canary off."""
-    canary_tolerance: Annotated[float, Field(ge=0)] = 0.0
+    canary_tolerance: Annotated[float, Field(ge=0, le=CANARY_TOLERANCE_MAX)] = 0.0
     """Relative error (per layer, over the whole sample and over its first 8 tokens, right after its pack boundary)
     above which the canary fails the task for good (after a re-check with both sides recomputed). 0: calibrated when
     the engine loads, in the production dtype and on the production device: 10 x the difference between probe
     sequences first in their pass (nothing can leak into them; the vLLM engine: batched as production batches) and
     alone, never below the dtype's floor (1e-5 float32, 2e-4 bfloat16, 1e-4 float16) nor above its ceiling (1e-2
-    float32, 0.25 bfloat16 and float16: below what a sample given another token's or sequence's states differs by)."""
+    float32, 0.25 bfloat16 and float16). At most 0.25, and a worker refuses to start above its dtype's ceiling:
+    the ceiling is the loosest tolerance a calibration gives, chosen below what a sample given another token's or
+    another sequence's states differs by on the test models (0.5-1.5), so a configured tolerance above it would pass
+    states a calibrated canary fails. On a trained model such states differ by less over the whole sample (0.04-0.11
+    at the layers where a few tokens carry massive activations), which is what the per-token bound is for: it is
+    never set here, always calibrated (3 x the worst token's noise, 0.1-0.6 in bfloat16, 1e-4-1e-2 float32)."""
+    canary_longest_every: Annotated[int, Field(ge=0)] = 8
+    """One shard in this many (drawn from the shard id, so a re-delivery does the same) gives one of its
+    extract.canary_samples places to its longest sample that followed another sequence in its pass (the vLLM
+    engine: the shard's longest; the Transformers engine, which packs the longest first: the longest packed after
+    another; the longest where none was): long sequences are prefilled over several engine steps and meet code
+    short ones never do. Every shard's other places go to a length stratum (a quarter of the shard's samples ranked
+    by length) drawn from the shard id, its samples that followed another sequence first. 0: never."""
     canary_window_every: Annotated[int, Field(ge=0)] = 16
     """One shard in this many (drawn from the shard id) also has its canary run a sequence longer than the model's
     sliding window, attention chunk or linear-attention chunk, after another sequence in one pass, and compare it

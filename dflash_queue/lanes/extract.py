@@ -171,6 +171,7 @@ class ExtractLane:
             engine_args=settings.engine_args,
             versions=versions(extractor.name),
         )
+        self._canary_tolerance()  # a configured tolerance above the dtype's ceiling is refused here, at load
         self._compute = threading.Semaphore(extractor.concurrent_tasks)
         self._stopping = threading.Event()
         self._consumption: ShardWindow | None = None  # the window's state, reached once there is one
@@ -212,7 +213,12 @@ class ExtractLane:
             for record, sequence in sequences
         ]
         summaries: dict[int, torch.Tensor] = {}
-        picker = CanaryPicker(shard_id, [len(r.input_ids) for r in requests], self.settings.extract.canary_samples)
+        picker = CanaryPicker(
+            shard_id,
+            [len(r.input_ids) for r in requests],
+            self.settings.extract.canary_samples,
+            self.settings.extract.canary_longest_every,
+        )
         with self.uploader.stage(shard_id) as staged:
             # States go to the staged file as each forward pass finishes: the task holds about one pass of them.
             info = replace(self.info, injected_faults=faults.installed())
@@ -242,6 +248,7 @@ class ExtractLane:
                     canary = run_canary(
                         self.extractor, shard_id, requests, picker.chosen(ok), ok, self.layer_names,
                         self._canary_tolerance(), self.settings.extract.canary_window_every, recompute,
+                        loss_masks=[row.loss_mask for row in rows], picked=picker.describe(ok),
                     )
                 check_plausible(
                     [requests[i].sample_id for i in ok],
@@ -342,8 +349,11 @@ class ExtractLane:
             self.extractor.capture(requests, deliver=deliver)
 
     def _canary_tolerance(self) -> CanaryTolerance:
+        """The engine's calibrated tolerance, its whole-sample and first-token bounds fixed by
+        extract.canary_tolerance when set (the per-token bound stays the calibrated one)."""
         configured = self.settings.extract.canary_tolerance
-        return CanaryTolerance.fixed(configured) if configured else self.extractor.canary_tolerance()
+        calibrated = self.extractor.canary_tolerance()
+        return calibrated.configured(configured, self.extractor.dtype) if configured else calibrated
 
     def begin_shutdown(self) -> None:
         """Tasks that have not reached the engine yet give up (and are requeued); the others finish."""

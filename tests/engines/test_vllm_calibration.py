@@ -10,7 +10,12 @@ import threading
 import torch
 
 from dflash_queue.engines.hf_extract import HiddenStateExtractor
-from dflash_queue.engines.state_checks import CALIBRATION_FACTOR, TOLERANCE_FLOORS
+from dflash_queue.engines.state_checks import (
+    CALIBRATION_FACTOR,
+    TOKEN_CALIBRATION_FACTOR,
+    TOKEN_FLOORS,
+    TOLERANCE_FLOORS,
+)
 from dflash_queue.engines.vllm_calibration import (
     LONGEST_PROBE,
     SHORTEST_PROBE,
@@ -59,3 +64,6 @@ def test_two_rounds_of_probes_batched_against_alone_give_the_tolerance(tiny_fami
     assert tolerance.noise_whole == max(d.worst for d in calibration.differences) <= 1e-6
     assert tolerance.whole == max(CALIBRATION_FACTOR * tolerance.noise_whole, TOLERANCE_FLOORS[torch.float32][0])
     assert tolerance.noise_head >= tolerance.noise_whole and tolerance.head >= tolerance.whole
+    # The per-token bound from the worst token of any draw (every probe token counts): the floor on an exact engine.
+    assert tolerance.noise_token == max(max(d.worst_token) for d in calibration.differences) <= 1e-5
+    assert tolerance.token == max(TOKEN_CALIBRATION_FACTOR * tolerance.noise_token, TOKEN_FLOORS[torch.float32])

@@ -21,6 +21,7 @@ from dflash_queue.doctor.extract_states import describe_engine
 from dflash_queue.engines.base import ExtractionRequest
 from dflash_queue.engines.state_checks import (
     CALIBRATION_FACTOR,
+    TOKEN_CEILINGS,
     TOLERANCE_CEILINGS,
     TOLERANCE_FLOORS,
     CanaryMismatch,
@@ -112,15 +113,20 @@ def test_the_canary_tolerance_lies_between_the_batching_noise_and_a_faulty_reque
     }
     noise = max(errors[r.sample_id].worst for r in normal)
     noise_head = max(errors[r.sample_id].worst_head for r in normal)
+    noise_token = max(errors[r.sample_id].worst_focus_token for r in normal)  # every token of these counts
     zeroed = compare_states(torch.zeros(5, 3, 8), torch.ones(5, 3, 8)).worst  # what a zeroed request's canary shows
     print(f"\n{family} bfloat16: calibrated noise {extractor.calibrated_noise:.2e}, tolerance {tolerance.whole:.2e} "
-          f"(head {tolerance.head:.2e}); production-like batch: largest {noise:.2e} (head {noise_head:.2e}); "
+          f"(head {tolerance.head:.2e}); per token: noise {tolerance.noise_token:.2e}, bound {tolerance.token:.2e}; "
+          f"production-like batch: largest {noise:.2e} (head {noise_head:.2e}, worst token {noise_token:.2e}); "
           f"shift {errors['measure-shift'].worst:.2e}, swap {errors['measure-swap-a'].worst:.2e}/"
-          f"{errors['measure-swap-b'].worst:.2e}, zeroed {zeroed:.2e}")
+          f"{errors['measure-swap-b'].worst:.2e} (worst token {errors['measure-swap-a'].worst_focus_token:.2e}/"
+          f"{errors['measure-swap-b'].worst_focus_token:.2e}), zeroed {zeroed:.2e}")
     assert noise <= tolerance.whole and noise_head <= tolerance.head  # no false alarm
+    assert noise_token <= tolerance.token <= TOKEN_CEILINGS[BF16]
     for name in ("measure-shift", "measure-swap-a", "measure-swap-b"):
         # Caught at every layer, with room: the smallest layer's error is several times the tolerance.
         assert min(errors[name].relative) > 3 * tolerance.whole, (name, errors[name])
+        assert min(errors[name].focus_token) > 3 * tolerance.token, (name, errors[name])
     assert zeroed > 3 * tolerance.whole
 
 
@@ -128,10 +134,10 @@ def test_the_canary_tolerance_lies_between_the_batching_noise_and_a_faulty_reque
 # Through the extract lane, one canary sample per shard
 
 
-def canary_of(shard_id: str, lengths: list[int]) -> int:
+def canary_of(config, shard_id: str, lengths: list[int]) -> int:
     """The sample the lane's canary picks in a shard of these lengths (drawn from the shard id; in the vLLM engine
     every sequence of a batch follows another)."""
-    picker = CanaryPicker(shard_id, lengths, 1)
+    picker = CanaryPicker(shard_id, lengths, 1, config.extract.canary_longest_every)
     for index in range(len(lengths)):
         picker.offer(index, torch.zeros(1), 1)
     [(index, _, _)] = picker.chosen(range(len(lengths)))
@@ -154,7 +160,7 @@ def write_shard(config, shard_id: str, samples: list[tuple[str, int]], seed: int
 def shard_faulting_its_canary(config, shard_id: str, lengths: list[int], name: str, partner: str = ""):
     """A shard whose canary sample is `name` (and whose other sample of the same length is `partner`)."""
     ids = [f"{shard_id}-{i}" for i in range(len(lengths))]
-    canary = canary_of(shard_id, lengths)
+    canary = canary_of(config, shard_id, lengths)
     ids[canary] = name
     if partner:
         ids[next(i for i, n in enumerate(lengths) if n == lengths[canary] and i != canary)] = partner
@@ -182,8 +188,8 @@ def stored(storage, shard_id):
 def test_one_canary_per_shard_catches_a_faulty_request_it_picks(engine, fault):
     family, config, extractor = engine
     shard_id = f"{family}-{fault}"
-    # The two shortest samples are the only ones at or below the median: the canary picks one of them.
-    lengths = [60, 140, 60, 130] if fault == "swap" else [50, 90, 70, 110, 40]
+    # The canary's sample is drawn from the shard id (canary_of finds it); a swap's partner has its length.
+    lengths = [60, 140, 60, 140] if fault == "swap" else [50, 90, 70, 110, 40]
     if fault == "swap":
         ids, _ = shard_faulting_its_canary(config, shard_id, lengths, "swap-a", partner="swap-b")
     else:

@@ -68,12 +68,24 @@ def test_the_canary_is_recorded_in_the_shard_and_chosen_by_the_shard_id(generate
     with storage.local_copy(shard_key(shard_id)) as path:
         shard = TrainingShard(path)
         lengths = {shard.sample_ids[i]: int(shard.offsets[i + 1] - shard.offsets[i]) for i in range(len(shard))}
-    median = sorted(lengths.values())[(len(lengths) - 1) // 2]
-    assert all(lengths[sample] <= median for sample in canary["samples"])  # a canary costs at most a median sample
+    # Drawn from a length stratum (a quarter of the shard ranked by length), or the shard's longest.
+    assert canary["strata"] == 4 and 0 <= canary["stratum"] < 4
+    ranked = sorted(lengths.values())
+    stratum = ranked[canary["stratum"] * 2 : canary["stratum"] * 2 + 2]
+    assert any(lengths[sample] in stratum for sample in canary["samples"]) or "long" in canary
     tolerance = lane.extractor.canary_tolerance()
     assert canary["tolerance"] == tolerance.whole and canary["head_tolerance"] == tolerance.head
+    assert canary["token_tolerance"] == tolerance.token and canary["token_noise"] == tolerance.noise_token
     assert len(canary["relative_error_per_layer"]) == 3 and canary["head_error"] <= tolerance.head
-    assert canary["verdict"] == "pass" and canary["followers"] == 2  # both canaries followed another sequence
+    # Per token over each sample's tokens that matter: its completion (these samples share no prefix).
+    assert len(canary["token_error_per_layer"]) == 3 and canary["token_error"] <= tolerance.token
+    assert len(canary["focus_error_per_layer"]) == 3 and len(canary["focus_tokens"]) == 2
+    assert all(0 < n <= lengths[s] for n, s in zip(canary["focus_tokens"], canary["samples"]))
+    # Both canaries followed another sequence, on a shard due for its longest too: the longest that followed one
+    # (the engine packs the longest sequences first in their passes).
+    assert canary["verdict"] == "pass" and canary["followers"] == 2
+    if "long" in canary:
+        assert canary["long"]["tokens"] in [lengths[sample] for sample in canary["samples"]]
     assert first.canary_samples == 2 and first.canary_error == canary["relative_error"] <= tolerance.whole
     assert again.canary_error == first.canary_error
     assert first.counters()["extract_canary_samples"] == 2
