@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dflash_queue.config.sections import Section
 from dflash_queue.engines.config import ExtractEngineSettings
@@ -50,11 +50,16 @@ class ExtractConfig(ExtractEngineSettings):
     that layer fails the task (with all-zero and constant layers): states no forward pass gives."""
     stop_after_failed_checks: Annotated[int, Field(ge=0)] = 3
     """A worker whose engine fails the canary or the state checks (plausibility, what the vLLM engine handed over)
-    on this many shards in a row, none passing between them, stops taking tasks and exits with status 78, which the
-    shipped systemd units do not restart on: a systematic fault (a failing GPU, a wrong kernel or setting) leaves
-    the remaining shards queued for a healthy worker instead of sending them all to the dead letters. The shard
-    that completes the streak is handed back to the queue; the ones before it are dead letters. `status` shows the
-    stop and why. 0: never stop."""
+    on this many of the last extract.failed_checks_window shards it checked stops taking tasks and exits with status
+    78, which the shipped systemd units do not restart on: a systematic fault (a failing GPU, a wrong kernel or
+    setting), even one that hits only some shards (the long ones, one batch shape), leaves the remaining shards
+    queued for a healthy worker instead of sending them to the dead letters. The shard whose failure completes the
+    count is handed back to the queue; the failed ones before it are dead letters, listed in the stop record.
+    `status` shows the stop and why. 0: never stop."""
+    failed_checks_window: Annotated[int, Field(ge=1)] = 10
+    """The shards extract.stop_after_failed_checks counts failures among: the last this many shards the worker
+    checked (passed or failed; shards skipped as already stored or failed for other reasons do not count). At least
+    extract.stop_after_failed_checks; equal to it, only failures in a row stop the worker."""
     max_unconsumed_shards: Annotated[int, Field(ge=0)] = 0
     """The window of a run trained while it extracts (`dflash_queue.live.LiveShards`): extraction waits while this
     many training shards are stored (or being extracted) that not every consumer has acknowledged yet; a waiting
@@ -64,6 +69,16 @@ class ExtractConfig(ExtractEngineSettings):
     max_shard_bytes: Annotated[int, Field(ge=1)] = 8 * 10**9
     """`plan` warns when a shard (dataset.shard_size samples of the expected length, in hidden_dtype) would be
     larger than this: each shard is staged whole on the worker's disk and uploaded and read back as one object."""
+
+    @model_validator(mode="after")
+    def _window_holds_the_count(self) -> ExtractConfig:
+        if self.stop_after_failed_checks and self.failed_checks_window < self.stop_after_failed_checks:
+            raise ValueError(
+                f"extract.failed_checks_window ({self.failed_checks_window}) must be at least "
+                f"extract.stop_after_failed_checks ({self.stop_after_failed_checks}): the failures that stop a worker "
+                "are counted among that many shards"
+            )
+        return self
 
 
 class AuditConfig(Section):

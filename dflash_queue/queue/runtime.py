@@ -2,8 +2,8 @@
 
 The worker attaches it to the Celery app (`LaneApp.worker_runtime`) before consuming; tasks reach it through
 their base class, `LaneTask.runtime`. It also decides when the worker must stop: its engine died
-(`EXIT_ENGINE_LOST`, restarted by systemd), or its engine failed the state checks on too many shards in a row
-(`stopped_workers.EXIT_FAILING_CHECKS`, not restarted; see queue/check_streak.py).
+(`EXIT_ENGINE_LOST`, restarted by systemd), or its engine failed the state checks on too many of the shards it
+checked last (`stopped_workers.EXIT_FAILING_CHECKS`, not restarted; see queue/check_streak.py).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class WorkerRuntime:
     check_streak: FailedCheckStreak = field(init=False)
 
     def __post_init__(self) -> None:
-        self.check_streak = FailedCheckStreak(self.config.extract.stop_after_failed_checks)
+        extract = self.config.extract
+        self.check_streak = FailedCheckStreak(extract.stop_after_failed_checks, extract.failed_checks_window)
 
     @cached_property
     def consumption(self) -> ShardWindow:
@@ -75,8 +76,8 @@ class WorkerRuntime:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def stop_for_failed_checks(self, lane: str) -> None:
-        """The lane's engine failed its checks on too many shards in a row: record why in the broker (for `status`)
-        and stop, with a status the process manager does not restart on."""
+        """The lane's engine failed its checks on too many of its last checked shards: record why in the broker (for
+        `status`) and stop, with a status the process manager does not restart on."""
         engine = _engine_name(self.lanes.get(lane), lane)
         reason = self.check_streak.describe(engine, lane)
         stopped = StoppedWorker(self.node, lane, engine, reason, self.check_streak.failures)
@@ -86,7 +87,6 @@ class WorkerRuntime:
             logging.getLogger(__name__).exception("could not record why this worker stops")
         self.request_stop(reason, EXIT_FAILING_CHECKS)
 
-    def begin_shutdown(self) -> None:
     @cached_property
     def audits(self) -> AuditRecords:
         """The reference audit's records (runstate/audits.py), on the ledger's connection."""
@@ -103,6 +103,7 @@ class WorkerRuntime:
             logging.getLogger(__name__).exception("could not record why this worker stops")
         self.request_stop(stopped.reason, EXIT_FAILING_CHECKS)
 
+    def begin_shutdown(self) -> None:
         """Warm shutdown began: lanes stop taking up new work (running work finishes)."""
         for lane in self.lanes.values():
             begin = getattr(lane, "begin_shutdown", None)

@@ -15,7 +15,7 @@ Each concern is a step of its own (dflash_queue/queue/steps/), composed here in 
 1. deliveries: the delivery is counted; past broker.max_deliveries the task is dead-lettered unrun;
 2. injected faults (the fault tests only): a delay, a kill;
 3. window requeue: WindowFull sends the task again, to the back of the queue, and acknowledges this one;
-4. hand back: a dead engine, a failed-check streak or shutdown puts the message back unrun.
+4. hand back: a dead engine, failed checks on too many recent shards, or shutdown puts the message back unrun.
 
 Celery's handlers: a task that fails for good is dead-lettered (`on_failure`); a retry is counted (`on_retry`).
 

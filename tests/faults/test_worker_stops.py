@@ -1,6 +1,7 @@
-"""A worker whose engine fails its state checks shard after shard stops instead of emptying the queue into the dead
-letters: real `dflash-queue worker extract` subprocesses on the tiny model, a real redis-server, and the fault that
-breaks packing after the engine's load probe (so that every shard's canary fails) on every shard or on chosen ones.
+"""A worker whose engine fails its state checks on too many of the shards it checked last stops instead of emptying
+the queue into the dead letters: real `dflash-queue worker extract` subprocesses on the tiny model, a real
+redis-server, and the fault that breaks packing after the engine's load probe (so that every shard's canary fails)
+on every shard or on chosen ones.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def test_a_worker_whose_canary_fails_on_every_shard_stops_after_three_and_leaves
 
     assert worker.process.wait(timeout=300) == EXIT_FAILING_CHECKS, worker.log_tail()
     log = worker.log_tail(20000)
-    assert "the transformers extract engine failed its state checks on 3 shards in a row " \
-           "(extract.stop_after_failed_checks = 3): shard " in log
+    assert "the transformers extract engine failed its state checks on 3 of the 3 shards it checked " \
+           "(extract.stop_after_failed_checks = 3 within extract.failed_checks_window = 10): shard " in log
     assert "CanaryMismatch: canary sample " in log
 
     # Two dead letters, the third shard handed back, the other three never taken: four wait in the queue.
@@ -102,7 +103,7 @@ def test_a_worker_whose_canary_fails_on_every_shard_stops_after_three_and_leaves
     console.print(status_table(status))
     text = console.export_text()
     assert f"worker {worker.hostname} (extract) stopped" in text and "exit status 78, not restarted" in text
-    assert "failed its state checks on 3 shards in a row" in text
+    assert "failed its state checks on 3 of the 3 shards it checked" in text
 
     # A healthy worker takes the four shards that waited.
     healthy = start_worker(config, "extract")
@@ -111,9 +112,13 @@ def test_a_worker_whose_canary_fails_on_every_shard_stops_after_three_and_leaves
     assert all(storage.exists(shard_key(s)) for s in waited)
 
 
-def test_a_failure_now_and_then_does_not_stop_the_worker(make_config, redis_url, start_worker):
-    """With a limit of 2, shards failing with a passing shard between them never make two in a row."""
-    config, storage, ledger, shard_ids = generated_shards(make_config, 5, stop_after_failed_checks=2)
+def test_a_failure_now_and_then_does_not_stop_a_worker_counting_failures_in_a_row(
+    make_config, redis_url, start_worker
+):
+    """With a limit of 2 within a window of 2 (failures in a row), shards failing with a passing shard between them
+    never make two (within the default window of 10 they would)."""
+    config, storage, ledger, shard_ids = generated_shards(make_config, 5, stop_after_failed_checks=2,
+                                                          failed_checks_window=2)
     failing = [shard_ids[0], shard_ids[2]]
     broken = {ENV: json.dumps({"extract_break_packing": failing})}
     # One task at a time, so that the shards are checked in the order they were sent.

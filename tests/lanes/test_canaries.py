@@ -150,8 +150,14 @@ def config_with(tmp_path: Path):
     return load
 
 
-def test_a_canary_tolerance_above_every_ceiling_is_refused_at_load(config_with):
+def test_a_canary_tolerance_above_every_ceiling_and_a_window_below_the_count_are_refused_at_load(config_with):
     assert config_with().extract.canary_tolerance == 0 and config_with(canary_tolerance=0.25).extract
     with pytest.raises(ConfigError, match=r"extract\.canary_tolerance: Input should be less than or equal to 0\.25"):
         config_with(canary_tolerance=0.3)
-    assert config_with().extract.canary_longest_every == 8
+    extract = config_with().extract
+    assert (extract.stop_after_failed_checks, extract.failed_checks_window, extract.canary_longest_every) == (3, 10, 8)
+    assert config_with(stop_after_failed_checks=4, failed_checks_window=4).extract.failed_checks_window == 4
+    assert config_with(stop_after_failed_checks=0, failed_checks_window=1).extract.stop_after_failed_checks == 0
+    with pytest.raises(ConfigError, match=r"extract\.failed_checks_window \(4\) must be at least "
+                                          r"extract\.stop_after_failed_checks \(5\)"):
+        config_with(stop_after_failed_checks=5, failed_checks_window=4)

@@ -1,4 +1,4 @@
-"""When shards failing their state checks stop a worker (queue/check_streak.py), and the stop's record in the broker
+"""When shards failing their state checks stop a worker (queue/check_streak.py: so many among the last checked), and the stop's record in the broker
 (runstate/stopped_workers.py). The worker itself, stopping and exiting, is tested with real processes in
 tests/faults/test_worker_stops.py."""
 
@@ -14,12 +14,12 @@ from dflash_queue.queue.check_streak import MESSAGE_CHARS, STATE_CHECK_FAILURES,
 from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS, StoppedWorker, StoppedWorkers
 
 
-def test_the_streak_trips_at_its_limit_and_a_passing_shard_starts_it_over():
-    streak = FailedCheckStreak(3)
+def test_with_a_window_of_the_limit_only_failures_in_a_row_trip_it():
+    streak = FailedCheckStreak(3)  # the window defaults to the limit
+    assert streak.window == 3
     assert not streak.failed("a", CanaryMismatch("canary sample x: layer 1 differs"))
     assert not streak.failed("b", ImplausibleHiddenStates("1 implausible hidden states"))
     streak.passed()
-    assert streak.failures == []
     assert not streak.failed("c", CanaryMismatch("one"))
     assert not streak.failed("d", EngineStatesInvalid("two"))
     assert streak.failed("e", CanaryMismatch("three"))
@@ -32,6 +32,46 @@ def test_the_streak_trips_at_its_limit_and_a_passing_shard_starts_it_over():
     assert reason.startswith("the vllm extract engine failed its state checks on 3 shards in a row "
                              "(extract.stop_after_failed_checks = 3): shard c: CanaryMismatch: one; shard d: ")
     assert "shard e handed back; the 2 before it are dead letters" in reason
+
+
+def test_failures_among_the_last_checked_shards_trip_it_though_passing_shards_lie_between_them():
+    """3 of the last 6: a fault that fails every other shard (only the long samples, one batch shape) stops the
+    worker, where failures in a row would never have counted more than one."""
+    streak = FailedCheckStreak(3, window=6)
+    outcomes = []
+    for number in range(5):
+        if number % 2:
+            streak.passed()
+        else:
+            outcomes.append(streak.failed(f"s{number}", CanaryMismatch(f"fault {number}")))
+    assert outcomes == [False, False, True]
+    assert [shard for shard, _ in streak.failures] == ["s0", "s2", "s4"] and streak.checked == 5
+    reason = streak.describe("vllm", "extract")
+    assert reason.startswith("the vllm extract engine failed its state checks on 3 of the 5 shards it checked "
+                             "(extract.stop_after_failed_checks = 3 within extract.failed_checks_window = 6): shard "
+                             "s0: CanaryMismatch: fault 0; shard s2: ")
+    assert "shard s4 handed back; the 2 before it are dead letters" in reason
+    # The same pattern under failures in a row (the window equal to the count) never stops.
+    in_a_row = FailedCheckStreak(3, window=3)
+    for number in range(20):
+        assert number % 2 or not in_a_row.failed(f"s{number}", CanaryMismatch("fault"))
+        if number % 2:
+            in_a_row.passed()
+
+
+def test_failures_older_than_the_window_no_longer_count():
+    streak = FailedCheckStreak(2, window=4)
+    assert not streak.failed("old", CanaryMismatch("one"))
+    for _ in range(4):
+        streak.passed()
+    assert streak.failures == [] and streak.checked == 4
+    assert not streak.failed("a", CanaryMismatch("two"))
+    streak.passed()
+    streak.passed()
+    assert streak.failed("b", ImplausibleHiddenStates("three"))
+    reason = streak.describe("transformers", "extract")
+    assert "on 2 of the last 4 shards it checked (extract.stop_after_failed_checks = 2 within " in reason
+    assert [shard for shard, _ in streak.failures] == ["a", "b"]
 
 
 def test_a_limit_of_zero_never_trips_and_long_messages_are_cut():

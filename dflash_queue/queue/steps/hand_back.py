@@ -1,9 +1,9 @@
 """Tasks handed back to the queue unrun, for a healthy worker, when the fault is not the shard's.
 
 A dead engine: the message goes back and this worker stops instead of failing every task it would take next. An
-engine that fails its state checks on `extract.stop_after_failed_checks` shards in a row: the shard that completes
-the streak goes back as well, and the worker stops for good (queue/check_streak.py); a failure short of the streak
-passes through, to a dead letter. A worker shutting down: the task goes back. Each such delivery is uncounted.
+engine that fails its state checks on `extract.stop_after_failed_checks` of the last `extract.failed_checks_window`
+shards it checked: the shard that completes the count goes back as well, and the worker stops for good
+(queue/check_streak.py); a failure short of the count passes through, to a dead letter. A worker shutting down: the task goes back. Each such delivery is uncounted.
 """
 
 from __future__ import annotations

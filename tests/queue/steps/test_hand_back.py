@@ -1,5 +1,5 @@
-"""Deliveries handed back to the queue unrun: a dead engine, the shard that completes a failed-check streak,
-shutdown; a failed check short of the streak goes on to a dead letter."""
+"""Deliveries handed back to the queue unrun: a dead engine, the shard that completes the count of failed checks
+among the last checked shards, shutdown; a failed check short of the count goes on to a dead letter."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dflash_queue.queue.steps.hand_back import handing_back
 class Runtime:
     """What the step uses of WorkerRuntime, without signalling this process."""
 
-    def __init__(self, stop_after_failed_checks: int = 2) -> None:
-        self.check_streak = FailedCheckStreak(stop_after_failed_checks)
+    def __init__(self, stop_after_failed_checks: int = 2, window: int | None = None) -> None:
+        self.check_streak = FailedCheckStreak(stop_after_failed_checks, window)
         self.stops: list[str] = []
 
     def request_stop(self, reason: str) -> None:
@@ -54,6 +54,17 @@ def test_a_failed_check_is_a_dead_letter_until_the_streak_hands_its_shard_back()
     assert raised is first and uncounted == [] and rt.stops == []
     raised, uncounted = handed(rt, CanaryMismatch("sample y differs"), "s2")
     assert isinstance(raised, Reject) and raised.requeue and uncounted == ["s2"]
+    assert rt.stops == ["failed checks on extract"]
+
+
+def test_the_failure_completing_the_count_among_the_last_checked_shards_is_handed_back():
+    """2 of the last 3: passing shards between the failures do not save the engine."""
+    rt = Runtime(stop_after_failed_checks=2, window=3)
+    first = CanaryMismatch("sample x differs")
+    assert handed(rt, first, "s1") == (first, []) and rt.stops == []
+    rt.check_streak.passed()
+    raised, uncounted = handed(rt, CanaryMismatch("sample y differs"), "s3")
+    assert isinstance(raised, Reject) and raised.requeue and uncounted == ["s3"]
     assert rt.stops == ["failed checks on extract"]
 
 
