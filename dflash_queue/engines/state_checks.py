@@ -101,6 +101,11 @@ class CanaryTolerance:
             noise_token=noise_token,
         )
 
+    @classmethod
+    def fixed(cls, tolerance: float) -> CanaryTolerance:
+        """The same bound on every measure, without a calibration (for what needs a tolerance and has no engine)."""
+        return cls(whole=tolerance, head=tolerance, token=tolerance)
+
     def configured(self, tolerance: float, dtype: torch.dtype) -> CanaryTolerance:
         """extract.canary_tolerance: the same fixed bound on the whole sample and its first tokens; the per-token
         bound stays the calibrated one. Refused (ConfigError) above the dtype's ceiling (`TOLERANCE_CEILINGS`),

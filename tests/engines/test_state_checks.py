@@ -214,3 +214,4 @@ def test_a_configured_tolerance_fixes_the_whole_sample_and_first_tokens_up_to_th
     with pytest.raises(ConfigError, match=r"extract\.canary_tolerance = 0\.02 is above 0\.01, .* in float32"):
         CanaryTolerance.calibrated(torch.float32, 0.0, 0.0).configured(0.02, torch.float32)
     assert CANARY_TOLERANCE_MAX == max(TOLERANCE_CEILINGS.values())  # the config's bound, over every dtype
+    assert CanaryTolerance.fixed(1e-3) == CanaryTolerance(1e-3, 1e-3, 1e-3)  # no calibration: one bound on all
