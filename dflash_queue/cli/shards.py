@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 @click.option("--exclude-flag", "exclude_flags", multiple=True,
               help="Leave out samples with this quality flag (repeatable).")
 @click.option("--drop-flagged", is_flag=True, help="Leave out samples with any quality flag.")
+@click.option("--skip-suspect", is_flag=True,
+              help="Export without the shards the reference audit found suspect (listed, and recorded in "
+              "export.json); without it, an export that would leave any out is refused and writes nothing.")
 def export(
     shards: str,
     format_name: str,
@@ -58,13 +62,14 @@ def export(
     finish_reasons: tuple[str, ...],
     exclude_flags: tuple[str, ...],
     drop_flagged: bool,
+    skip_suspect: bool,
 ) -> None:
     """Write every sample of SHARDS (a shard, a directory or a storage URL) to OUT, one file per sample, in
     the layout SpecForge's or vLLM speculators' trainer reads for the drafter of --method, with the layer ids and
     config fields to give the trainer in OUT/export.json; or the regenerated conversations of a run's storage
     (SHARDS) as OpenAI-messages JSONL or Parquet."""
     from dflash_queue.exports import export_dataset, export_format
-    from dflash_queue.exports.sample_files import hidden_dtype_named
+    from dflash_queue.exports.sample_files import hidden_dtype_named, refuse_suspects
     from dflash_queue.storage import open_storage
     from dflash_queue.training import ShardDataset
 
@@ -81,9 +86,11 @@ def export(
                 finish_reasons=finish_reasons or None,
                 exclude_flags=exclude_flags,
                 drop_flagged=drop_flagged,
+                on_suspect_shard="skip",  # refused just below, or left out and recorded with --skip-suspect
             )
+        refuse_suspects(dataset, shards, skip_suspect)
         if not dataset.shards:
-            problems = "\n".join(f"  {key}: {problem}" for key, problem in dataset.bad_shards)
+            problems = "\n".join(f"  {key}: {problem}" for key, problem in [*dataset.bad_shards, *dataset.suspect_shards])
             raise click.ClickException(f"{shards}: no readable shard\n{problems}")
         target = open_storage(str(Path(out).resolve()) if "://" not in out else out)
         with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console) as bar:
@@ -95,6 +102,7 @@ def export(
                 source=shards,
                 seed=seed,
                 on_sample=lambda n: bar.advance(task, n),
+                skip_suspect=skip_suspect,
             )
     except (ShardFormatError, StorageError, ConfigError, ImportError) as exc:
         raise click.ClickException(str(exc)) from None
@@ -208,6 +216,7 @@ def _as_json(report: Any, preview: dict[str, Any] | None) -> dict[str, Any]:
     out["ok"] = report.ok
     out["checks"] = [{"name": c.name, "status": c.status, "detail": c.detail} for c in report.checks]
     out["sha256"] = report.sha256
+    out["suspect"] = asdict(report.suspect) if report.suspect is not None else None
     out["finish_reasons"] = dict(report.finish_reasons)
     out["quality_flags"] = dict(report.quality_flags)
     if report.index is not None:
@@ -235,7 +244,7 @@ def _print_report(report: Any, preview: dict[str, Any] | None, count: int) -> No
     console.print(facts)
     checks = Table("check", "status", "detail", title="checks", title_justify="left")
     for check in report.checks:
-        style = "red" if check.status == "FAILED" else ("green" if check.status == "ok" else "yellow")
+        style = "red" if check.status in ("FAILED", "SUSPECT") else ("green" if check.status == "ok" else "yellow")
         checks.add_row(check.name, f"[{style}]{check.status}[/{style}]", check.detail)
     console.print(checks)
     if preview is not None:

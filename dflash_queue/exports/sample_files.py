@@ -7,6 +7,10 @@ counts) and `index.jsonl` (one line per file: file, sample id, shard, tokens, fi
 Files are numbered in the dataset's order (shards sorted by key, samples in shard order), or in a seeded random
 order of it for a trainer that holds out its last rows for validation (speculators), so the same shards, filters
 and seed always give the same numbering. Samples the trainer cannot take are left out and counted.
+
+A shard the reference audit found suspect is never exported: the dataset leaves it out, and the export is refused
+(SuspectShardError, nothing written) unless `skip_suspect`, which exports the rest and records each suspect shard
+left out, and why, in `export.json` (`suspect_shards`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from dflash_queue.exports.formats import ExportFormat, Speculators, StoredLayers
 from dflash_queue.exports.speculators_table import SpeculatorsTable
 from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids
+from dflash_queue.shards.suspect_lookup import SuspectShardError
 from dflash_queue.storage.base import Storage
 from dflash_queue.training.dataset import ShardDataset
 
@@ -43,6 +48,8 @@ class ExportReport:
     layer_ids_key: str = ""
     trainer: dict = field(default_factory=dict)
     bad_shards: list[tuple[str, str]] = field(default_factory=list)
+    # (key, what its mark says) of each suspect shard left out (skip_suspect).
+    suspect_shards: list[tuple[str, str]] = field(default_factory=list)
     dropped: Counter[str] = field(default_factory=Counter)  # left out by the dataset's filters
     skipped: Counter[str] = field(default_factory=Counter)  # left out because the trainer cannot take them
 
@@ -58,6 +65,8 @@ class ExportReport:
             out.append("left out:    " + ", ".join(f"{n} ({reason})" for reason, n in sorted(self.skipped.items())))
         for key, problem in self.bad_shards:
             out.append(f"bad shard:   {key}: {problem}")
+        for key, mark in self.suspect_shards:
+            out.append(f"left out, suspect: {key}: {mark}")
         return out
 
 
@@ -72,6 +81,20 @@ def stored_layers(dataset: ShardDataset) -> StoredLayers:
     return found
 
 
+def refuse_suspects(dataset: ShardDataset, source: str, skip_suspect: bool) -> list[tuple[str, str]]:
+    """The suspect shards `dataset` left out ((key, what its mark says)); SuspectShardError naming each unless
+    `skip_suspect`."""
+    suspect = list(dataset.suspect_shards)
+    if suspect and not skip_suspect:
+        shards = "\n".join(f"  {key}: {mark}" for key, mark in suspect)
+        raise SuspectShardError(
+            f"{source}: {len(suspect)} suspect shard(s), whose states may not be the model's, would be left out of "
+            f"the export:\n{shards}\nextract them again first (`dflash-queue suspects reextract -c CONFIG`), or "
+            "export without them (--skip-suspect; recorded in export.json); nothing was written"
+        )
+    return suspect
+
+
 def export_dataset(
     dataset: ShardDataset,
     export_format: ExportFormat,
@@ -80,9 +103,12 @@ def export_dataset(
     source: str,
     seed: int = 0,
     on_sample: Callable[[int], None] | None = None,
+    skip_suspect: bool = False,
 ) -> ExportReport:
     """Write every sample of `dataset` the trainer can take into `out`. Raises ExportRefused (naming the setting
-    to extract with) before writing anything when the shards lack what the trainer reads."""
+    to extract with) before writing anything when the shards lack what the trainer reads, and SuspectShardError
+    when the dataset left suspect shards out, unless `skip_suspect` (they are then recorded in export.json)."""
+    suspect = refuse_suspects(dataset, source, skip_suspect)
     layers = stored_layers(dataset)
     selection = export_format.select(layers)
     report = ExportReport(
@@ -93,6 +119,7 @@ def export_dataset(
         layer_ids_key=export_format.layer_ids_key,
         trainer=export_format.trainer_fields(layers, selection),
         bad_shards=list(dataset.bad_shards),
+        suspect_shards=suspect,
         dropped=Counter(dataset.dropped),
     )
     order = list(range(len(dataset)))
@@ -160,6 +187,8 @@ def export_dataset(
         "left_out": dict(report.skipped),
         "extra_files": extra_files,
         "bad_shards": [{"shard": key, "problem": problem} for key, problem in report.bad_shards],
+        # Shards the reference audit found suspect, left out (skip_suspect): their states may not be the model's.
+        "suspect_shards": [{"shard": key, "mark": mark} for key, mark in report.suspect_shards],
     }
     out.write_bytes(MANIFEST, json.dumps(manifest, indent=2).encode())
     return report

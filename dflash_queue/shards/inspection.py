@@ -9,7 +9,9 @@ Checks, each reported as ok, failed (with where and what) or not run:
 * loss_mask: only 0 and 1;
 * values (`deep`): every hidden state (and fp8 scale) finite;
 * checksum: the sha256 of the whole object, compared with what the storage recorded, when it records one
-  (a storage exposes `recorded_sha256(key)`, or a `<key>.sha256` sidecar holds it in `sha256sum` format).
+  (a storage exposes `recorded_sha256(key)`, or a `<key>.sha256` sidecar holds it in `sha256sum` format);
+* audit: whether the reference audit marked the shard suspect (its mark in the run's storage: no reader serves it
+  as good until it is extracted again). A suspect shard may be whole: this says so without failing the report.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from dflash_queue.shards.fp8 import FP8_NAME, SCALES_TENSOR
 from dflash_queue.shards.layer_conventions import checked_layer_ids
 from dflash_queue.shards.ranges import ByteSource, open_source
 from dflash_queue.shards.reader import ShardIndex, read_rows
+from dflash_queue.shards.suspect_lookup import shard_place, suspect_marks
+from dflash_queue.shards.suspects import SuspectMark
 from dflash_queue.storage.base import Storage
 
-OK, FAILED, SKIPPED, UNRECORDED = "ok", "FAILED", "not run", "no record"
+OK, FAILED, SKIPPED, UNRECORDED, SUSPECT = "ok", "FAILED", "not run", "no record", "SUSPECT"
 CHECKSUM_CHUNK = 16 * 1024 * 1024
 SIDECAR_SUFFIX = ".sha256"
 
@@ -48,6 +52,8 @@ class ShardReport:
     index: ShardIndex | None = None
     completion_tokens: int = 0
     sha256: str | None = None
+    # The reference audit's mark on the shard (None: it carries none).
+    suspect: SuspectMark | None = None
 
     @property
     def ok(self) -> bool:
@@ -105,8 +111,19 @@ def inspect_shard(storage: Storage, key: str, *, checksum: bool = True, deep: bo
         report.checks.append(_check_layers(index))
         report.checks.append(_check_loss_mask(index, source, report))
         report.checks.append(_check_values(index, source) if deep else Check("values", SKIPPED, "use --deep"))
+    report.checks.append(_check_mark(storage, key, report))
     report.checks.append(_check_checksum(storage, key, source, report) if checksum else Check("checksum", SKIPPED))
     return report
+
+
+def _check_mark(storage: Storage, key: str, report: ShardReport) -> Check:
+    if shard_place(storage, key) is None:
+        return Check("audit", SKIPPED, "not in a run's shards/ folder: no suspect mark to look for")
+    report.suspect = suspect_marks(storage, [key]).get(key)
+    if report.suspect is not None:
+        return Check("audit", SUSPECT, f"{report.suspect.describe()} (`dflash-queue suspects reextract` extracts it "
+                     "again; no reader serves it as good until then)")
+    return Check("audit", OK, "no suspect mark")
 
 
 def sample_preview(storage: Storage, key: str, index: ShardIndex, sample: int) -> dict[str, Any]:

@@ -24,6 +24,8 @@ class ShardSet:
     keys: tuple[str, ...]
     # The URL to open the storage again in another process, when it was opened from one.
     url: str | None
+    # Whether the shards were found by listing (a directory, a storage), not named (a file, a shard URL, `keys`).
+    listed: bool = False
 
     def where(self, key: str) -> str:
         return f"{self.storage.url}/{key}"
@@ -58,6 +60,7 @@ def _split_object_url(url: str) -> tuple[str, str | None]:
 
 
 def _from_storage(storage: Storage, keys: Sequence[str] | None, prefix: str, *, url: str | None) -> ShardSet:
+    listed = keys is None
     if keys is None:
         # Later epochs' copies of the run's shards (under epochs/) are read only when asked for by prefix.
         later_epochs = EPOCHS + "/"
@@ -68,4 +71,4 @@ def _from_storage(storage: Storage, keys: Sequence[str] | None, prefix: str, *, 
         )
         if not keys:
             raise ShardFormatError(f"{storage.url}: no {SHARD_SUFFIX} shards under {prefix or 'the root'}")
-    return ShardSet(storage, tuple(keys), url)
+    return ShardSet(storage, tuple(keys), url, listed)

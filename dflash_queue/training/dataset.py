@@ -7,6 +7,10 @@ Construction reads each shard's header and offsets (not its tensors) to build a 
 then reads only sample i's rows: a few positioned reads on a local file, ranged reads on object storage.
 The dataset pickles without open files or clients, and a copy in a new process (DataLoader worker, fork or
 spawn) opens its own.
+
+A shard the reference audit found suspect (a mark beside it in the run's storage: shards/suspects.py) is never
+served: found by listing, it is left out with one warning naming each (`suspect_shards` lists them); named (a shard
+file or URL, `keys`), it is refused (SuspectShardError) unless `on_suspect_shard="skip"`.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ from dflash_queue.errors import ShardFormatError
 from dflash_queue.shards.locate import ShardsArg, ShardSet, locate_shards
 from dflash_queue.shards.ranges import ByteSource, open_source
 from dflash_queue.shards.reader import SampleMeta, ShardIndex, read_sample
+from dflash_queue.shards.suspect_lookup import SuspectShardError, suspect_marks
 from dflash_queue.storage.factory import open_storage
 from dflash_queue.storage.local import LocalStorage
 
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Shards a process keeps open at once (least recently read closed first).
 MAX_OPEN_SHARDS = 64
+# Suspect shards a warning names one by one (`suspect_shards` holds them all).
+NAMED_SUSPECTS = 10
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,10 @@ class ShardDataset(Dataset):
     dequantise on the GPU with `dflash_queue.shards.fp8.dequantize_fp8`);
     `sample_id`, `finish_reason`, `thinking`, `quality_flags` (list of str), `shard` (storage key).
     Shard-level facts are attributes: `layer_ids`, `hidden_size`, `target_model`, `layer_convention`.
+
+    `on_suspect_shard`: what becomes of a shard the reference audit marked suspect. None (the default): left out
+    with a warning when the shards were found by listing, refused (SuspectShardError) when named; "skip": left out;
+    "raise": refused. Either way it is never read.
     """
 
     def __init__(
@@ -78,6 +89,7 @@ class ShardDataset(Dataset):
         drop_flagged: bool = False,
         where: Callable[[SampleMeta], bool] | None = None,
         on_bad_shard: Literal["skip", "raise"] = "skip",
+        on_suspect_shard: Literal["skip", "raise"] | None = None,
         index_threads: int = 8,
     ) -> None:
         if hidden_dtype not in HIDDEN_DTYPES:
@@ -100,6 +112,9 @@ class ShardDataset(Dataset):
         self.shards: list[ShardIndex] = []
         # (storage key, message) of every shard left out; see also `on_bad_shard`.
         self.bad_shards: list[tuple[str, str]] = []
+        # (storage key, what its mark says) of every shard left out as suspect.
+        self.suspect_shards: list[tuple[str, str]] = []
+        located = self._without_suspects(located, on_suspect_shard)
         for key, loaded in zip(located.keys, self._load_indexes(located, index_threads), strict=True):
             problem = loaded if isinstance(loaded, str) else self._disagreement(loaded)
             if problem is not None:
@@ -234,6 +249,27 @@ class ShardDataset(Dataset):
         if not self.shards:
             raise ShardFormatError("the dataset holds no readable shard")
         return self.shards[0]
+
+    def _without_suspects(self, located: ShardSet, on_suspect: Literal["skip", "raise"] | None) -> ShardSet:
+        """`located` less its suspect shards, each recorded in `suspect_shards` (and warned of when found by
+        listing); SuspectShardError when they must be refused."""
+        marks = suspect_marks(located.storage, located.keys)
+        if not marks:
+            return located
+        if on_suspect == "raise" or (on_suspect is None and not located.listed):
+            raise SuspectShardError.named(marks, located.storage.url)
+        self.suspect_shards = [(key, mark.describe()) for key, mark in marks.items()]
+        if on_suspect is None:
+            named = "; ".join(f"{key} ({mark.reason})" for key, mark in list(marks.items())[:NAMED_SUSPECTS])
+            more = len(marks) - NAMED_SUSPECTS
+            warnings.warn(
+                f"leaving out {len(marks)} suspect shard(s) of {located.storage.url}: a reference audit of the extract "
+                "worker that stored them failed, so their states may not be the model's (`dflash-queue suspects "
+                f"reextract -c CONFIG` extracts them again): {named}"
+                + (f"; and {more} more (the dataset's suspect_shards lists them all)" if more > 0 else ""),
+                stacklevel=3,
+            )
+        return replace(located, keys=tuple(key for key in located.keys if key not in marks))
 
     def _load_indexes(self, located: ShardSet, threads: int) -> list[ShardIndex | str]:
         def load(key: str) -> ShardIndex | str:

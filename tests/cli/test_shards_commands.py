@@ -82,3 +82,36 @@ def test_export_command_writes_the_files_and_reports(pipeline_shards, tmp_path):
 
     result = CliRunner().invoke(main, ["export", str(tmp_path / "nothing"), "-f", "specforge", str(tmp_path / "x")])
     assert result.exit_code == 1 and "no such shard file or directory" in result.output
+
+
+def test_export_refuses_suspect_shards_unless_told_to_skip_them_and_inspect_shows_the_mark(pipeline_shards, tmp_path):
+    from dflash_queue.shards.suspects import SuspectMark, mark_suspect
+    from dflash_queue.storage import LocalStorage
+
+    root = tmp_path / "run"
+    shutil.copytree(pipeline_shards["bfloat16"].storage.url, root)
+    first, second = sorted((root / "shards").glob("*.safetensors"))
+    suspect_id = first.name.removesuffix(".safetensors")
+    mark_suspect(LocalStorage(root), SuspectMark(suspect_id, 0, "layer 3: worst token 2.0e+00", "", "extract@gpu-1"))
+
+    out = tmp_path / "sf"
+    refused = CliRunner().invoke(main, ["export", str(root), "-f", "specforge", str(out)])
+    assert refused.exit_code == 1, refused.output
+    assert "1 suspect shard(s)" in refused.output and f"shards/{first.name}: suspect: stored by extract@gpu-1" in \
+        refused.output and "layer 3: worst token 2.0e+00" in refused.output and "--skip-suspect" in refused.output
+    assert not out.exists()  # nothing written
+
+    skipped = CliRunner().invoke(main, ["export", str(root), "-f", "specforge", str(out), "--skip-suspect"])
+    assert skipped.exit_code == 0, skipped.output
+    assert f"left out, suspect: shards/{first.name}: suspect: stored by extract@gpu-1" in skipped.output
+    manifest = json.loads((out / "export.json").read_text())
+    assert [entry["shard"] for entry in manifest["suspect_shards"]] == [f"shards/{first.name}"]
+    assert "layer 3: worst token 2.0e+00" in manifest["suspect_shards"][0]["mark"]
+    exported = {json.loads(line)["shard"] for line in (out / "index.jsonl").read_text().splitlines()}
+    assert exported == {f"shards/{second.name}"}
+
+    shown = CliRunner().invoke(main, ["inspect", str(first), "--json", "--no-checksum"])
+    assert shown.exit_code == 0, shown.output  # whole, and suspect
+    report = json.loads(shown.output)
+    assert report["suspect"]["reason"] == "layer 3: worst token 2.0e+00" and report["suspect"]["node"] == "extract@gpu-1"
+    assert {c["name"]: c["status"] for c in report["checks"]}["audit"] == "SUSPECT"

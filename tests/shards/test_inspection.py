@@ -36,7 +36,7 @@ def test_report_of_a_whole_shard(run_copy, dtype):
     shard = TrainingShard(path)
     report = inspect_shard(storage, key, deep=True)
     assert report.ok and statuses(report) == {
-        "structure": OK, "layers": OK, "loss_mask": OK, "values": OK, "checksum": UNRECORDED,
+        "structure": OK, "layers": OK, "loss_mask": OK, "values": OK, "audit": OK, "checksum": UNRECORDED,
     }
     assert report.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     summary = report.summary()
@@ -81,7 +81,7 @@ def test_damage_is_found_and_located(run_copy):
     path.write_bytes(bytes(data))
     report = inspect_shard(storage, key, deep=True)
     assert statuses(report) == {
-        "structure": OK, "layers": OK, "loss_mask": FAILED, "values": FAILED, "checksum": UNRECORDED,
+        "structure": OK, "layers": OK, "loss_mask": FAILED, "values": FAILED, "audit": OK, "checksum": UNRECORDED,
     }
     details = {check.name: check.detail for check in report.checks}
     assert f"sample 3 ({index.sample_ids[3]}) has NaN or Inf" in details["values"]
@@ -89,5 +89,27 @@ def test_damage_is_found_and_located(run_copy):
 
     path.write_bytes(bytes(data[:-50]))
     report = inspect_shard(storage, key)
-    assert statuses(report) == {"structure": FAILED, "checksum": UNRECORDED} and report.index is None
+    assert statuses(report) == {"structure": FAILED, "audit": OK, "checksum": UNRECORDED} and report.index is None
     assert "truncated or padded" in report.checks[0].detail and report.summary()["size_bytes"] == len(data) - 50
+
+
+def test_a_suspect_shard_shows_its_mark_without_failing_the_report(run_copy, tmp_path):
+    from dflash_queue.shards.inspection import SUSPECT
+    from dflash_queue.shards.suspects import SuspectMark, clear_mark, mark_suspect
+
+    storage, key, path = run_copy("bfloat16")
+    shard_id = path.name.removesuffix(".safetensors")
+    mark_suspect(storage, SuspectMark(shard_id, 0, "layer 2: worst token 1.3e+00", "s-first", "extract@node-a"))
+    report = inspect_shard(storage, key, checksum=False)
+    assert report.ok and statuses(report)["audit"] == SUSPECT  # whole, and suspect
+    assert report.suspect is not None and report.suspect.reason == "layer 2: worst token 1.3e+00"
+    detail = {check.name: check.detail for check in report.checks}["audit"]
+    assert "stored by extract@node-a; the audit of shard s-first: layer 2: worst token 1.3e+00" in detail
+    # The file itself, inspected from its shards/ folder, finds the mark at the run's root.
+    assert statuses(inspect_shard(LocalStorage(path.parent), path.name, checksum=False))["audit"] == SUSPECT
+    clear_mark(storage, shard_id, 0)
+    assert statuses(inspect_shard(storage, key, checksum=False))["audit"] == OK
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    shutil.copy(path, loose / "a.safetensors")  # outside a run's layout: no mark to look for
+    assert statuses(inspect_shard(LocalStorage(loose), "a.safetensors", checksum=False))["audit"] == SKIPPED

@@ -249,3 +249,63 @@ def test_fp8_states_can_come_as_stored_for_dequantising_on_the_gpu(pipeline_shar
             i += 1
     assert i == len(dequantized) == 12
     assert "hidden_scales" not in ShardDataset(pipeline_shards["bfloat16"].storage.url, dequantize=False)[0]
+
+
+def test_suspect_shards_are_left_out_when_listed_and_refused_when_named(pipeline_shards, tmp_path):
+    from dflash_queue.shards.suspects import SuspectMark, clear_mark, mark_suspect
+    from dflash_queue.training import SuspectShardError
+
+    root = copy_run(pipeline_shards["bfloat16"], tmp_path)
+    storage = LocalStorage(root)
+    first, second = shard_paths(root)
+    suspect_id = first.name.removesuffix(".safetensors")
+    mark_suspect(storage, SuspectMark(suspect_id, 0, "layer 2: worst token 1.3e+00", suspect_id, "extract@node-a"))
+
+    # Found by listing (the run's root or its shards/ folder): left out, with one warning naming it and why.
+    for target in (root, root / "shards"):
+        with pytest.warns(UserWarning, match=rf"leaving out 1 suspect shard.*{suspect_id}\.safetensors \(layer 2: worst token"):
+            dataset = ShardDataset(target)
+        assert len(dataset) == 6 and dataset.keys[0].endswith(second.name)
+        assert [key for key, _ in dataset.suspect_shards] == [dataset.keys[0].replace(second.name, first.name)]
+        assert "stored by extract@node-a" in dataset.suspect_shards[0][1]
+        assert {dataset[i]["sample_id"] for i in range(6)}.isdisjoint(TrainingShard(first).sample_ids)
+    # Named (a file, keys=): refused, naming the shard and the reason; or left out on request.
+    for named in ({"shards": first}, {"shards": root, "keys": [f"shards/{first.name}"]}):
+        with pytest.raises(SuspectShardError, match=rf"{first.name}: suspect: stored by extract@node-a.*layer 2"):
+            ShardDataset(**named)
+    assert ShardDataset(first, on_suspect_shard="skip").shards == []
+    with pytest.raises(SuspectShardError):
+        ShardDataset(root, on_suspect_shard="raise")
+    assert len(ShardDataset(second)) == 6
+
+    # A later epoch's mark is that epoch's copy only.
+    (root / "epochs" / "1" / "shards").mkdir(parents=True)
+    shutil.copy(first, root / "epochs" / "1" / "shards" / first.name)
+    clear_mark(storage, suspect_id, 0)
+    mark_suspect(storage, SuspectMark(suspect_id, 1, "epoch 1 fault", "", "extract@node-b"))
+    assert len(ShardDataset(root)) == 12
+    with pytest.warns(UserWarning, match="epoch 1 fault"):
+        assert len(ShardDataset(root, prefix="epochs/1/")) == 0
+
+
+def test_suspect_shards_in_s3_are_found_above_the_storage_read(pipeline_shards, s3_server, s3_bucket):
+    from dflash_queue.shards.suspects import SuspectMark, mark_suspect
+    from dflash_queue.storage.config import S3Config
+    from dflash_queue.storage.s3 import S3Storage
+    from dflash_queue.training import SuspectShardError
+
+    settings = S3Config(endpoint_url=s3_server.endpoint_url)
+    run = S3Storage(f"s3://{s3_bucket}/run", settings)
+    first, second = shard_paths(pipeline_shards["fp8_e4m3"].storage.url)
+    for path in (first, second):
+        run.write_file(f"shards/{path.name}", path)
+    suspect_id = first.name.removesuffix(".safetensors")
+    mark_suspect(run, SuspectMark(suspect_id, 0, "last layer off by one token", suspect_id, "extract@gpu-3"))
+    with pytest.warns(UserWarning, match=f"leaving out 1 suspect shard.*{suspect_id}"):
+        dataset = ShardDataset(run)
+    assert len(dataset) == 6 and dataset.keys == [f"shards/{second.name}"]
+    # The shards/ folder opened as a storage of its own: the mark is looked for at the run's root, same settings.
+    folder = S3Storage(f"s3://{s3_bucket}/run/shards", settings)
+    with pytest.raises(SuspectShardError, match="last layer off by one token"):
+        ShardDataset(folder, keys=[first.name])
+    assert len(ShardDataset(folder, keys=[second.name])) == 6
