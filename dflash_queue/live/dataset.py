@@ -19,6 +19,13 @@ it is stored or failed for good and its own are consumed.
 The consumer's acknowledgements live in the broker: a rank restarted after a kill serves what it had not
 acknowledged, and only that. A later epoch starts (its extraction enqueued) as soon as the previous one's
 extraction is over, by whichever rank sees it first.
+
+A shard the reference audit found suspect (its record in the broker, or its mark in storage) is never read: the rank
+whose shard it is gives its place in the window back (suspect shards never fill the window), serves the others, and
+serves it once it is extracted again (`dflash-queue suspects reextract`) and stored anew; it waits for it before it
+ends the epoch. One whose re-extraction fails for good is left out as a failed one is. A consumer that acknowledges a
+shard after it turned suspect (it was served before) is added to the suspect's consumers, which `status` and
+`verify` name.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from dflash_queue.broker.run_broker import running_broker
 from dflash_queue.config import Config, load_config
 from dflash_queue.live.epochs import start_epoch
+from dflash_queue.runstate.audits import AuditRecords, Suspect, member
 from dflash_queue.runstate.ledger import Ledger, resilient_client
 from dflash_queue.runstate.shard_states import DONE, FAILED
 from dflash_queue.runstate.window import ShardWindow, epoch_states
@@ -46,7 +54,7 @@ from dflash_queue.shards.keys import consumed_key, epoch_shard_key, epoch_shards
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.storage import Storage, open_storage
-from dflash_queue.training import ShardDataset, collate_padded
+from dflash_queue.training import ShardDataset, SuspectShardError, collate_padded
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +119,8 @@ class LiveShards:
         self.dataset_options = dataset_options
         # Shards of each epoch left out because their extraction failed for good (their dead letters say why).
         self.failed: dict[int, list[str]] = {}
+        # Shards of each epoch waiting to be extracted again because they are suspect (shard id -> why).
+        self.suspect: dict[int, dict[str, str]] = {}
         self._pid = -1
         self._registered = False
         self._gone: set[str] = set()  # shards deleted before this consumer registered
@@ -121,7 +131,7 @@ class LiveShards:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_consumption", "_ledger", "_storage"):
+        for name in ("_consumption", "_ledger", "_storage", "_audits", "_given_back"):
             state.pop(name, None)
         state["_pid"] = -1
         return state
@@ -132,7 +142,10 @@ class LiveShards:
         client = resilient_client(self.config.broker.connection_url())
         self._consumption = ShardWindow(client, self.config.run.name)
         self._ledger = Ledger(client, self.config.run.name)
+        self._audits = AuditRecords(client, self.config.run.name)
         self._storage: Storage = open_storage(self.config.storage)
+        # Suspect shards whose place in the window this process gave back.
+        self._given_back: set[tuple[int, str]] = set()
         self._pid = os.getpid()
         if not self._registered:
             self._consumption.register(self.consumer, world_size=self.world_size, seed=self.seed)
@@ -191,6 +204,8 @@ class LiveShards:
                     yield shard
             if served:
                 continue
+            for shard_id in self._failed_again(epoch, remaining):
+                remaining.remove(shard_id)
             if not remaining and len(positions) + len(self._failed(epoch, positions)) >= total:
                 break
             self._start_due(epoch + 1)
@@ -216,7 +231,9 @@ class LiveShards:
         """The shard is consumed by this consumer. Once every registered consumer has it, its place in the window
         is given back and (storage.retention = "until-consumed") its file deleted, its samples recorded."""
         self._connect()
-        if self._consumption.acknowledge(self.consumer, epoch, shard_id):
+        everyone = self._consumption.acknowledge(self.consumer, epoch, shard_id)
+        self._note_if_suspect(epoch, shard_id)
+        if everyone:
             self._release(epoch, shard_id)
 
     def _release(self, epoch: int, shard_id: str) -> None:
@@ -295,10 +312,62 @@ class LiveShards:
         if report.started:
             log.info("%s", "; ".join(report.lines()))
 
+    # -- suspect shards
+
+    def _suspect_waits(self, epoch: int, shard_id: str, why: str) -> None:
+        """A suspect shard of this rank's: not read; its place in the window given back (once), so that suspect
+        shards never fill the window; served once it is stored anew."""
+        if (epoch, shard_id) not in self._given_back:
+            self._consumption.give_back_place(epoch, shard_id)
+            self._given_back.add((epoch, shard_id))
+        waiting = self.suspect.setdefault(epoch, {})
+        if shard_id not in waiting:
+            waiting[shard_id] = why
+            log.warning(
+                "epoch %d: shard %s is suspect (%s); not read: served once it is extracted again "
+                "(`dflash-queue suspects reextract`)", epoch, shard_id, why,
+            )
+
+    def _failed_again(self, epoch: int, remaining: Sequence[str]) -> list[str]:
+        """Suspect shards of `remaining` whose extraction again failed for good: left out, as failed ones are."""
+        waiting = self.suspect.get(epoch, {})
+        candidates = [s for s in remaining if s in waiting]
+        if not candidates:
+            return []
+        states = epoch_states(self._consumption, self._ledger, epoch, candidates)
+        failed = [s for s in candidates if states.get(s) == FAILED]
+        known = self.failed.setdefault(epoch, [])
+        for shard_id in failed:
+            del waiting[shard_id]
+            if shard_id not in known:
+                known.append(shard_id)
+            log.warning("epoch %d: suspect shard %s failed to extract again; left out (see `dflash-queue dead`)",
+                        epoch, shard_id)
+        return failed
+
+    def _note_if_suspect(self, epoch: int, shard_id: str) -> None:
+        """A shard acknowledged after it turned suspect was served before: this consumer joins those the suspect
+        names as having consumed it."""
+        text = self._audits.client.hget(self._audits.keys.suspects, member(shard_id, epoch))
+        if not text:
+            return
+        suspect = Suspect.from_json(text)
+        if self.consumer not in suspect.consumed_by:
+            self._audits.note_consumed(suspect, [*suspect.consumed_by, self.consumer])
+
     def _open(self, epoch: int, shard_id: str) -> LiveShard | None:
         key = epoch_shard_key(shard_id, epoch)
+        if self._audits.is_suspect(shard_id, epoch):  # the broker's word comes before the storage mark's
+            text = self._audits.client.hget(self._audits.keys.suspects, member(shard_id, epoch)) or "{}"
+            self._suspect_waits(epoch, shard_id, Suspect.from_json(text).reason or "suspect")
+            return None
         try:
-            shard = LiveShard(self._storage, keys=[key], on_bad_shard="raise", **self.dataset_options)
+            shard = LiveShard(
+                self._storage, keys=[key], on_bad_shard="raise", on_suspect_shard="raise", **self.dataset_options
+            )
+        except SuspectShardError as exc:
+            self._suspect_waits(epoch, shard_id, "; ".join(mark.reason for mark in exc.marks.values()))
+            return None
         except FileNotFoundError:
             shard = None
         except Exception as exc:
@@ -317,6 +386,8 @@ class LiveShards:
                 self._consumption.acknowledge(self.consumer, epoch, shard_id)
                 self._gone.add(shard_id)
             return None  # done in the ledger, not yet in storage: looked for again
+        self.suspect.get(epoch, {}).pop(shard_id, None)
+        self._given_back.discard((epoch, shard_id))
         shard.epoch = epoch
         shard.shard_id = shard_id
         shard._storage_url = self.config.storage  # type: ignore[assignment]  # reopened from it in another process

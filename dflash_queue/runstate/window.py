@@ -11,6 +11,12 @@ run's training shards while it extracts, what they acknowledged, and the epochs.
   (epoch, shard), so a re-delivered task takes the place it already holds. A place is given back only after
   what shows the shard stored or consumed is in storage (the training file, or the record a deleted one leaves):
   a second delivery of a shard's task that takes a place anew looks again, and gives it back at once if so.
+  A shard every registered consumer has acknowledged takes no place when it is extracted again (a requeued or
+  suspect shard's redo): no consumer would read it, so the place would never be given back.
+* A suspect shard (runstate/audits.py) is not read until it is extracted again. The rank whose shard it is gives
+  its place back (`live.LiveShards`), so that suspect shards never fill the window while they wait; its
+  re-extraction takes a place anew, and keeps the shard's first position in the store order (the same rank serves
+  it once it is stored again).
 """
 
 from __future__ import annotations
@@ -204,8 +210,15 @@ class ShardWindow:
 
     def take_place(self, epoch: int, shard_id: str, size: int) -> int:
         """A place in a window of `size` for the shard: TAKEN (it had none), HELD (it already holds one: another
-        delivery of its task took it), or 0 when the window is full."""
-        return int(self.client.eval(_TAKE_PLACE, 1, self.window_key, self._place(epoch, shard_id), size))
+        delivery of its task took it), or 0 when the window is full. A shard every registered consumer has
+        acknowledged (extracted again after they read it) is answered TAKEN without a place: none would be given
+        back, as no consumer reads it again; the caller's second look (is it stored?) stays as it was."""
+        consumers = list(self.client.hkeys(self.consumers_key))
+        acknowledged = [self.keys.acknowledged(name, epoch) for name in consumers]
+        return int(self.client.eval(
+            _TAKE_PLACE, 2 + len(acknowledged), self.window_key, self.consumers_key, *acknowledged,
+            self._place(epoch, shard_id), size, shard_id,
+        ))
 
     def give_back_place(self, epoch: int, shard_id: str) -> None:
         self.client.srem(self.window_key, self._place(epoch, shard_id))
@@ -261,8 +274,18 @@ if tonumber(ARGV[2]) > known then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) 
 return 1
 """
 
+# KEYS: window, consumers hash, each registered consumer's acknowledged set of the epoch (as read just before: a
+# consumer registered since makes the count differ, and the shard takes a place as any other).
+# ARGV: place, window size, shard id.
 _TAKE_PLACE = """
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
+if #KEYS > 2 and redis.call('HLEN', KEYS[2]) == #KEYS - 2 then
+  local everyone = true
+  for i = 3, #KEYS do
+    if redis.call('SISMEMBER', KEYS[i], ARGV[3]) == 0 then everyone = false break end
+  end
+  if everyone then return 2 end
+end
 if redis.call('SCARD', KEYS[1]) < tonumber(ARGV[2]) then
   redis.call('SADD', KEYS[1], ARGV[1])
   return 2

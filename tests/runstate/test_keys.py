@@ -100,7 +100,7 @@ def test_the_components_write_the_released_keys(redis_url):
     window.want_epochs("trainer", 2)
     window.part_finished("trainer", 0, (0, 1))
     window.acknowledge("trainer", 3, "s1")
-    window.take_place(3, "s1", 1)
+    window.take_place(3, "s2", 1)  # s1 every consumer acknowledged: it would take no place
     window.note_waiting(3, "s2", 60)
     liveness = Liveness(client, "r", ttl_s=60)
     incarnation = Incarnation.of_this_process("node")
