@@ -6,7 +6,9 @@ prompt shards in storage (shard id -> sample ids), so the files may be given in 
 superset of those enqueued: a sample of a file never enqueued is reported as not enqueued. Every training shard
 says which samples it holds and which the quality gate dropped (its header and offsets are read, and checked as
 every reader checks them); dead letters name the samples that failed. A sample found nowhere is missing (with its
-shard's ledger state); a sample found in two places is duplicated.
+shard's ledger state); a sample found in two places is duplicated. A sample of a shard the reference audit found
+suspect (its broker record or its mark in storage: dflash_queue/suspects.py) is not done: it is counted suspect,
+its shard listed with the reason and the consumers it was served to as good, until it is extracted again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dflash_queue.lanes.registry import LANES
 from dflash_queue.prompt_staging import EnqueueReport, build_length_filter, iter_encoded
 from dflash_queue.queue.liveness import HeldMessage, Liveness
 from dflash_queue.queue.messages import message_places
+from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow, epoch_states
 from dflash_queue.shards.consumed import ConsumedShard
@@ -34,6 +37,7 @@ from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
 from dflash_queue.storage import Storage, open_storage
+from dflash_queue.suspects import SuspectShard, find_suspects
 
 # How many missing or duplicated ids a report lists in full.
 LISTED = 50
@@ -49,6 +53,8 @@ class VerifyReport:
     flagged: int = 0
     dropped: int = 0
     dead: int = 0
+    # Samples of suspect shards: stored, not done until extracted again.
+    suspect: int = 0
     # Accounted for before staging: exact duplicates of another record, too long for the context, unreadable.
     duplicates_in_dataset: int = 0
     too_long: int = 0
@@ -58,11 +64,13 @@ class VerifyReport:
     # sample id -> every place it was found.
     duplicated: dict[str, list[str]] = field(default_factory=dict)
     unreadable_shards: dict[str, str] = field(default_factory=dict)
+    # The epoch's suspect shards (dflash_queue/suspects.py), oldest first.
+    suspect_shards: list[SuspectShard] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.missing and not self.duplicated and not self.unreadable_shards
+        return not self.missing and not self.duplicated and not self.unreadable_shards and not self.suspect_shards
 
     def lines(self) -> list[str]:
         out = [
@@ -72,6 +80,7 @@ class VerifyReport:
             + ")",
             f"  dropped by the quality gate: {self.dropped}",
             f"  dead letters: {self.dead}",
+            *([f"  suspect (stored, not done until extracted again): {self.suspect}"] if self.suspect_shards else []),
             f"  missing: {len(self.missing)}",
             f"  duplicated: {len(self.duplicated)}",
             f"filtered before staging: {self.duplicates_in_dataset} exact duplicates, {self.too_long} too long, "
@@ -80,6 +89,19 @@ class VerifyReport:
         out += [f"note: {note}" for note in self.notes]
         for key, error in self.unreadable_shards.items():
             out.append(f"unreadable shard {key}: {error}")
+        for suspect in self.suspect_shards[:LISTED]:
+            out.append(f"suspect shard {suspect.name}: {suspect.describe()}")
+        consumed = [s for s in self.suspect_shards if s.consumed_by]
+        for suspect in consumed[:LISTED]:
+            out.append(
+                f"consumed before it turned suspect: {suspect.name} by {suspect.consumed()} (trained on states that "
+                "may not be the model's)"
+            )
+        if self.suspect_shards:
+            out.append(
+                f"{len(self.suspect_shards)} suspect shard(s) ({len(consumed)} consumed before they turned suspect): "
+                "`dflash-queue suspects reextract -c CONFIG` extracts them again"
+            )
         for sample_id, where in list(self.missing.items())[:LISTED]:
             out.append(f"missing {sample_id}: {where}")
         for sample_id, places in list(self.duplicated.items())[:LISTED]:
@@ -208,6 +230,10 @@ def verify(
     found: dict[str, list[str]] = defaultdict(list)
     flagged_ids: set[str] = set()
 
+    report.suspect_shards = find_suspects(AuditRecords(ledger.client, config.run.name), storage, epoch=epoch)
+    suspect_ids = {s.shard for s in report.suspect_shards}
+    # Where samples of suspect shards were found: counted suspect there, not done.
+    suspect_places: set[str] = set()
     prefix = epoch_shards_prefix(epoch)
     stored_ids: set[str] = set()
     for key in sorted(k for k in storage.list(prefix) if k.endswith(".safetensors")):
@@ -217,6 +243,8 @@ def verify(
         except Exception as exc:  # a corrupt or truncated shard is reported, the rest still checked
             report.unreadable_shards[key] = f"{type(exc).__name__}: {exc}"
             continue
+        if shard_id_of(key) in suspect_ids:
+            suspect_places.add(key)
         found_in(found, flagged_ids, key, ids, [ids[row] for row in flagged], dropped)
     for key in sorted(k for k in storage.list(f"{CONSUMED}/{epoch}/") if k.endswith(".json")):
         if shard_id_of(key) in stored_ids:
@@ -226,7 +254,10 @@ def verify(
         except ShardFormatError as exc:
             report.unreadable_shards[key] = str(exc)
             continue
-        report.consumed += len(consumed.samples)
+        if shard_id_of(key) in suspect_ids:
+            suspect_places.add(f"{key} (consumed)")
+        else:
+            report.consumed += len(consumed.samples)
         found_in(found, flagged_ids, f"{key} (consumed)", consumed.samples, consumed.flagged, consumed.dropped)
 
     for record in dead_letters.all():
@@ -259,6 +290,8 @@ def verify(
             report.dead += 1
         elif where.endswith("(dropped)"):
             report.dropped += 1
+        elif where in suspect_places:
+            report.suspect += 1
         else:
             report.done += 1
             report.flagged += sample_id in flagged_ids

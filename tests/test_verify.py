@@ -132,3 +132,46 @@ def test_verify_accounts_by_sample_whatever_the_order_or_subset_of_the_files(mak
     assert extended.exit_code == 1 and "missing: 3" in extended.output
     extra_ids = [line for line in extended.output.splitlines() if line.startswith("missing ")]
     assert len(extra_ids) == 3 and all(line.endswith(": not enqueued") for line in extra_ids)
+
+
+def test_samples_of_suspect_shards_are_not_done_and_each_suspect_is_named(make_config, redis_url, tmp_path):
+    from dflash_queue.runstate.audits import AuditRecords
+    from dflash_queue.shards.suspects import SuspectMark, clear_mark, mark_suspect
+
+    config = make_config(dataset={"shard_size": 4, "thinking": "never"})
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(SAMPLE_DATA.read_text().splitlines()[:12]) + "\n")
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    report = Producer(config, ledger).enqueue([dataset], send=lambda *args: None)
+    storage = open_storage(config.storage)
+    for shard_id in report.shard_ids:
+        store_shard(storage, shard_id, [s.id for s in decode_prompts(storage.read_bytes(prompts_key(shard_id)),
+                                                                     what=shard_id)])
+    first, second, third = report.shard_ids
+    # The first: an audit of its worker failed (the broker's record and the mark), after a trainer had consumed it.
+    # The second: marked in storage only. The third: good.
+    audits = AuditRecords(ledger.client, config.run.name)
+    audits.record_stored(first, 0, "inc-a", "extract@node-a", every_shards=10, every_s=0.0)
+    [made] = audits.record_failed(audits.stored_shard(first, 0), "layer 2: worst token 1.3e+00")
+    audits.note_consumed(made, ["trainer"])
+    mark_suspect(storage, SuspectMark(first, 0, made.reason, first, "extract@node-a"))
+    mark_suspect(storage, SuspectMark(second, 0, "its worker had stopped", "", "extract@node-b"))
+
+    result = CliRunner().invoke(main, ["verify", str(dataset), "-c", config.source])
+    assert result.exit_code == 1, result.output
+    assert "done: 4 (" in result.output and "suspect (stored, not done until extracted again): 8" in result.output
+    assert "missing: 0" in result.output and "duplicated: 0" in result.output
+    assert f"suspect shard {first}: stored by extract@node-a; the audit of shard {first} failed: layer 2: worst " \
+        "token 1.3e+00" in result.output
+    assert f"suspect shard {second}: stored by extract@node-b; its worker had been halted by an audit: its worker " \
+        "had stopped (marked in storage only" in result.output
+    assert f"consumed before it turned suspect: {first} by trainer" in result.output
+    assert "2 suspect shard(s) (1 consumed before they turned suspect): `dflash-queue suspects reextract" in \
+        result.output
+
+    # Stored anew (the extract lane clears both marks): done.
+    audits.clear_suspect(first, 0)
+    for shard_id in (first, second):
+        clear_mark(storage, shard_id, 0)
+    result = CliRunner().invoke(main, ["verify", str(dataset), "-c", config.source])
+    assert result.exit_code == 0 and "done: 12 (" in result.output and "suspect" not in result.output, result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from dflash_queue import __version__
-from dflash_queue.cli import audit, monitor, ops, pipeline, plan, reliability, shards
+from dflash_queue.cli import audit, monitor, ops, pipeline, plan, reliability, shards, suspects
 
 # Modules of the optional extras (pyproject.toml), and the extra that installs each.
 EXTRA_OF_MODULE = {
@@ -45,6 +45,6 @@ def main() -> None:
     """Regenerate a prompt dataset with the target model and extract its hidden states for drafter training."""
 
 
-for module in (pipeline, audit, shards, ops, monitor, plan, reliability):
+for module in (pipeline, audit, shards, ops, monitor, plan, reliability, suspects):
     for command in module.COMMANDS:
         main.add_command(command)

@@ -6,7 +6,9 @@ survives worker restarts. Dead letters are counted per lane from their records (
 A shard counts as extracted only when its training file is listed in the configured storage: one the ledger
 shows done without it is reported missing (`shards_missing`), never done. Workers that stopped themselves because
 their engine kept failing its state checks are listed with the reason (`stopped_workers`,
-dflash_queue/runstate/stopped_workers.py) until a worker of the same name starts again.
+dflash_queue/runstate/stopped_workers.py) until a worker of the same name starts again. The reference audit, a side
+lane, has a section of its own when it is in use (ops/audit_status.py): its queue, workers and figures, and the
+suspect shards (the broker's records), which keep the run from being finished until they are extracted again.
 """
 
 from __future__ import annotations
@@ -22,14 +24,17 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 from dflash_queue.config import Config, StorageConfig
 from dflash_queue.deadletters import DeadLetters
 from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, PIPELINE, LaneSpec, lane_of_task
+from dflash_queue.ops.audit_status import AuditStatus, audit_in_use, collect_audit
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.queue.liveness import Liveness
 from dflash_queue.redaction import redact
+from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
 from dflash_queue.runstate.server_waits import ServersDown, ServerWaits
 from dflash_queue.runstate.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.shards.keys import stored_shard_ids
 from dflash_queue.storage import open_storage
+from dflash_queue.suspects import find_suspects
 
 # The quality gate's counters: `gate_{decision}` per sample and `gate_{check}_{action}` per failed check.
 QUALITY_PREFIX = "gate_"
@@ -98,6 +103,8 @@ class RunStatus:
     stopped_workers: list[StoppedWorker] = field(default_factory=list)
     # Generate workers waiting because every inference server they were given is down.
     servers_down: list[ServersDown] = field(default_factory=list)
+    # The reference audit (a side lane) and the suspect shards it found; None when it is not in use and none is.
+    audit: AuditStatus | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -190,6 +197,7 @@ def collect_status(
         someone_beats = liveness.any_alive()
         stopped = StoppedWorkers(client, config.run.name).all()
         servers_down = ServerWaits(client, config.run.name).all()
+        suspects = find_suspects(AuditRecords(client, config.run.name))
     finally:
         client.close()
     stored, storage_error = stored_shards(config.storage)
@@ -256,9 +264,22 @@ def collect_status(
                 status.eta_s = max(status.eta_s, status.held_back_in_s + len(dead_held) / shard_rate)
         lanes[name] = status
 
+    audit_spec = LANES["audit"]
+    audit = collect_audit(
+        suspects,
+        counters=counters,
+        window=window,
+        queued=depths[audit_spec.name],
+        reserved=unacked.get(audit_spec.queue, 0),
+        workers=workers.lane_workers(audit_spec.queue),
+        running=workers.lane_running(audit_spec.queue),
+        in_use=audit_in_use(config, counters),
+    )
+
     etas = [lane.eta_s for lane in lanes.values()] if states else [None]
     finished = bool(states) and not missing and all(lane.shards_remaining == 0 for lane in lanes.values())
     finished = finished and not (live is not None and live.pending)
+    finished = finished and not suspects
     return RunStatus(
         run=config.run.name,
         broker=redact(config.broker.url),
@@ -275,6 +296,7 @@ def collect_status(
         live=live,
         stopped_workers=stopped,
         servers_down=servers_down,
+        audit=audit,
     )
 
 

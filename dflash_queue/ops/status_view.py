@@ -9,6 +9,7 @@ from rich.text import Text
 from dflash_queue.lanes.canary_notes import canary_summary
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.ops import humanize
+from dflash_queue.ops.audit_status import NAMED_SUSPECTS, AuditStatus
 from dflash_queue.ops.live_status import LiveStatus
 from dflash_queue.ops.status import LaneStatus, RunStatus
 from dflash_queue.quality.gate import gate_summary
@@ -62,12 +63,22 @@ def status_table(status: RunStatus) -> Group:
             )
         )
     notes.extend(Text(waiting.describe(status.time), style="yellow") for waiting in status.servers_down)
+    if status.audit is not None:
+        notes.extend(_audit_lines(status.audit))
     if status.finished:
         footer = Text("run finished: every shard has passed every lane", style="green")
     elif status.live is not None and status.live.pending and all(
         lane.shards_total and not lane.shards_remaining for lane in status.lanes.values()
     ):
         footer = Text(f"every shard has passed every lane; training goes on: epoch {status.live.epoch} and after")
+    elif status.audit is not None and status.audit.suspects and all(
+        lane.shards_total and not lane.shards_remaining for lane in status.lanes.values()
+    ):
+        footer = Text(
+            f"every shard has passed every lane; {len(status.audit.suspects):,} suspect shard(s) wait to be extracted "
+            "again",
+            style="red",
+        )
     elif not any(lane.shards_total for lane in status.lanes.values()):
         footer = Text(f"nothing enqueued yet for run {status.run}")
     else:
@@ -166,4 +177,42 @@ def _live_lines(live: LiveStatus) -> list[Text]:
         lines.append(Text(f"training goes on: consumer {name}: {what}"))
     if live.waiting:
         lines.append(Text(live.waiting, style="yellow"))
+    return lines
+
+
+def _audit_lines(audit: AuditStatus) -> list[Text]:
+    """The reference audit, a side lane (no progress or ETA), then the suspect shards it found."""
+    workers = f"{len(audit.workers)} ({', '.join(audit.workers)})" if audit.workers else "0 (none answered)"
+    running = "?" if audit.running is None else f"{audit.running}"
+    lines = [
+        Text(
+            f"audit: workers {workers} · queue {audit.queued:,} · in flight {running} running, {audit.reserved} "
+            f"unacked · {audit.shards:,} shards audited, {audit.samples:,} samples, "
+            f"{humanize.count(audit.tokens)} tokens ({humanize.rate(audit.tokens_per_s, 'tok')}) · "
+            f"{audit.failed:,} failed",
+            style="red" if audit.failed else "",
+        )
+    ]
+    if not audit.suspects:
+        return lines
+    named = "; ".join(f"{s.name}: {s.reason}" for s in audit.suspects[:NAMED_SUSPECTS])
+    more = len(audit.suspects) - NAMED_SUSPECTS
+    lines.append(
+        Text(
+            f"suspect shards: {len(audit.suspects):,}, not served as good until extracted again (`dflash-queue "
+            f"suspects reextract`): {named}" + (f"; and {more:,} more (`dflash-queue suspects list`)" if more > 0 else ""),
+            style="red",
+        )
+    )
+    consumed = audit.consumed_suspects
+    if consumed:
+        named = "; ".join(f"{s.name} by {s.consumed()}" for s in consumed[:NAMED_SUSPECTS])
+        more = len(consumed) - NAMED_SUSPECTS
+        lines.append(
+            Text(
+                f"consumed before they turned suspect: {len(consumed):,} shard(s): {named}"
+                + (f"; and {more:,} more" if more > 0 else ""),
+                style="red",
+            )
+        )
     return lines

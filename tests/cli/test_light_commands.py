@@ -7,8 +7,8 @@ import pytest
 
 from dfq_testing.imports import imported_by
 
-# What `status` and `dead` import on their way to the broker: the broker check every command runs first, the
-# run's private broker, the Celery app, the status figures and their table.
+# What `status`, `dead` and `suspects` import on their way to the broker: the broker check every command runs first,
+# the run's private broker, the Celery app, the status figures and their table, the suspect shards.
 BROKER_READERS = [
     "dflash_queue.cli.common",
     "dflash_queue.broker.run_broker",
@@ -17,6 +17,8 @@ BROKER_READERS = [
     "dflash_queue.ops.status",
     "dflash_queue.ops.status_view",
     "dflash_queue.deadletters",
+    "dflash_queue.cli.suspects",
+    "dflash_queue.suspects",
 ]
 HEAVY = ["torch", "transformers", "vllm"]
 

@@ -261,3 +261,58 @@ def test_a_run_whose_later_epoch_or_consumer_is_pending_is_not_finished(make_con
     consumption.part_finished("drafter", 0, (0, 1))
     status, text = shown()
     assert status.finished and "run finished" in text and "training goes on" not in text, text
+
+
+def test_the_audit_has_a_section_with_its_figures_and_suspect_shards_keep_the_run_unfinished(make_config, redis_url):
+    """The audit, a side lane: its queue, workers (from the same broadcast as the other lanes), figures and failed
+    audits; the suspect shards with their reasons, and those consumed before they turned suspect with their
+    consumers. No section for a run that has no audit and no suspect."""
+    from dflash_queue.runstate.audits import AuditRecords
+
+    quiet = make_config("quiet.toml", run={"name": "quiet"})
+    ledger = Ledger.from_url(redis_url, quiet.run.name)
+    ledger.set_state("q0", DONE, num_samples=4)
+    open_storage(quiet.storage.url).write_bytes(shard_key("q0"), b"stored")
+    status = collect_status(quiet, workers=WorkerView())
+    assert status.audit is None and status.finished and "audit:" not in _render(status)
+
+    config = make_config(audit={"enabled": True})
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    storage = open_storage(config.storage.url)
+    now = 1_800_000_000.0
+    shards = [f"s{i}" for i in range(8)]
+    for shard in shards:
+        ledger.set_state(shard, DONE, num_samples=4)
+        storage.write_bytes(shard_key(shard), b"stored")
+    ledger.add({"audit_shards": 3, "audit_samples": 3, "audit_tokens": 1200, "audit_failed": 1,
+                "audit_busy_ms": 9000}, now=now - 10)
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.rpush("audit", "m1", "m2")
+    audits = AuditRecords(client, config.run.name)
+    for shard in shards:
+        audits.record_stored(shard, 0, "inc-a", "extract@node-a", every_shards=100, every_s=0.0, now=now - 100)
+    audits.record_passed(audits.stored_shard("s0", 0), "ok")
+    made = audits.record_failed(audits.stored_shard("s1", 0), "layer 2: worst token 1.3e+00", now=now - 5)
+    assert [s.shard for s in made] == shards[1:]  # what inc-a stored after its passed audit of s0
+    audits.note_consumed(made[0], ["drafter", "eval"])
+    workers = WorkerView(queues={"audit@x": ["audit"], "extract@y": ["extract"]}, running={"audit@x": 1})
+
+    status = collect_status(config, window_s=600, workers=workers, now=now)
+    audit = status.audit
+    assert audit is not None and not status.finished
+    assert (audit.queued, audit.running, audit.workers) == (2, 1, ["audit@x"])
+    assert (audit.shards, audit.samples, audit.tokens, audit.failed, audit.busy_s) == (3, 3, 1200, 1, 9.0)
+    assert status.window_span_s == pytest.approx(10.0) and audit.tokens_per_s == pytest.approx(1200 / 10.0)
+    assert [s.shard for s in audit.suspects] == shards[1:] and audit.consumed_suspects[0].consumed_by == (
+        "drafter", "eval")
+    assert "audit" not in status.lanes  # a side lane: no column, no progress, no ETA
+    snapshot = json.loads(json.dumps(status.to_json()))["audit"]  # as `status --json` prints it
+    assert snapshot["suspects"][0]["consumed_by"] == ["drafter", "eval"] and snapshot["failed"] == 1
+
+    text = " ".join(_render(status).split())
+    assert "audit: workers 1 (audit@x) · queue 2 · in flight 1 running, 0 unacked · 3 shards audited, 3 samples, " \
+        "1,200 tokens (120 tok/s) · 1 failed" in text, text
+    assert "suspect shards: 7, not served as good until extracted again (`dflash-queue suspects reextract`): " \
+        "s1: layer 2: worst token 1.3e+00; s2: layer 2" in text and "; and 2 more (`dflash-queue suspects list`)" in text
+    assert "consumed before they turned suspect: 1 shard(s): s1 by drafter, eval" in text
+    assert "every shard has passed every lane; 7 suspect shard(s) wait to be extracted again" in text
