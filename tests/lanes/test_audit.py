@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import redis
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
