@@ -2,9 +2,11 @@
 the run's broker, `dfq:{run}:stopped_workers` (node -> JSON), for `status` to show.
 
 A worker whose extract engine fails its state checks (canary, plausibility, what the engine handed over) on
-`extract.stop_after_failed_checks` shards in a row stops taking tasks and exits with `EXIT_FAILING_CHECKS`, which
-the shipped systemd units do not restart on (`RestartPreventExitStatus=`): a systematic fault (a broken GPU, a
-wrong kernel, a bad setting) would otherwise send the rest of the queue to the dead letters shard by shard. The
+`extract.stop_after_failed_checks` of its last `extract.failed_checks_window` shards, whose engine's states differ
+from the checkpoint's own forward at load, or that a reference audit halted (lanes/audit.py) stops taking tasks
+and exits with `EXIT_FAILING_CHECKS`, which the shipped systemd units do not restart on
+(`RestartPreventExitStatus=`): a systematic fault (a broken GPU, a wrong kernel, a bad setting) would otherwise
+send the rest of the queue to the dead letters shard by shard, or into storage as suspect shards. The
 record stays until a worker of the same node name starts again (after the operator fixed the cause), which
 clears it.
 """
