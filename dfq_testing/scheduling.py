@@ -23,7 +23,9 @@ SPLIT_BY_FAMILY = (
 # The longest modules, longest first (wall time in one process on the 2-core dev machine, 2026-12-05); the rest
 # follow in collection order.
 LONGEST_FIRST = (
+    "tests/test_end_to_end_faults.py",
     "tests/test_end_to_end_vllm_extract.py",
+    "tests/test_end_to_end_suspects.py",
     "tests/tools/test_gpu_check.py",
     "tests/engines/test_server_generate.py",
     "tests/test_end_to_end_vllm.py",
@@ -33,6 +35,8 @@ LONGEST_FIRST = (
     "tests/tools/test_bench_extract.py",
     "tests/tools/test_soak.py",
     "tests/engines/test_vllm_extract_bfloat16.py",
+    "tests/engines/test_canary_trained.py",
+    "tests/dfq_testing/test_connector_faults.py",
     "tests/faults/test_kill.py",
     "tests/test_single_box.py",
     "tests/test_end_to_end_vllm_tensor_parallel.py",

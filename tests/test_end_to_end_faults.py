@@ -1,15 +1,12 @@
 """Faults a broken connector or model runner would have, put into vLLM's processes from outside the package
-(dfq_testing/connector_faults.py), against the checks that hold stored states to the checkpoint's own forward: on
-the trained checkpoint (SmolLM2-135M-Instruct, 30 layers) in bfloat16, the dtype users run, each fault is refused by
-the load check's comparison, and the reference audit catches on a stored shard what the canary was not there to see;
-and through `dflash-queue run` on the 16-layer family, an engine that reads its deepest layer one token off for every
-request is refused at load, the worker stopping with exit 78 and a record `status` shows."""
+(dfq_testing/connector_faults.py), against the checks that hold stored states to the checkpoint's own forward, on
+the trained checkpoint (SmolLM2-135M-Instruct, 30 layers) in bfloat16, the dtype users run: each fault is refused by
+the load check's comparison, and the reference audit catches on a stored shard what no canary was there to see. The
+same faults through `dflash-queue run` on the 16-layer family: tests/test_end_to_end_suspects.py."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -167,36 +164,3 @@ def test_the_audit_catches_on_a_stored_shard_what_no_canary_looked_at(engine, te
     assert not verdict.passed and verdict.suspects == ("faulted",), verdict.detail
     assert any(f"sample {n}, layer " in verdict.detail for n in names[1:4]), verdict.detail
     assert audits.halted("inc-extract") and suspect_shard_ids(storage, 0) == {"faulted"}
-
-
-def test_run_refuses_at_load_an_engine_that_reads_its_deepest_layer_one_token_off(tiny_deep_family, tmp_path):
-    """`dflash-queue run` on the 16-layer family with vLLM extracting, the deepest captured layer's rows one token
-    off for every request (the load check's probes too): the extract worker refuses to start, exits 78 (which
-    systemd does not restart), and says which layer; the run fails saying so, with nothing stored."""
-    model = tiny_deep_family("qwen3", 16)
-    tables = tiny_config_tables(model, tmp_path / "storage", "", tmp_path / "state")
-    config = write_config(
-        tmp_path / "run.toml", tables,
-        extract={"engine": "vllm", "hidden_dtype": "float32"},
-        **{"extract.vllm": {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-                            "enforce_eager": True, "kv_cache_memory_gib": 0.5, "log_stats_interval_s": 0}},
-        dataset={"max_model_len": 500},
-    )
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(SAMPLE.read_text().splitlines()[:4]) + "\n")
-    env = connector_faults.environment([{"kind": "deepest_layer_offset"}])
-    run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(config)],
-                         capture_output=True, text=True, timeout=900, env=env)
-    assert run.returncode != 0
-    error = next(line for line in run.stderr.splitlines() if line.startswith("Error: "))
-    assert error.startswith("Error: the extract worker exited with code 78"), run.stderr[-3000:]
-    log = (tmp_path / "state" / "logs" / "extract.log").read_text()
-    assert "ReferenceMismatch: vLLM extract engine: layer 13 (decoder_output) differs from the checkpoint's own" in log
-    assert not list((tmp_path / "storage").glob("shards/*"))
-    # `status` (from the stopped run's broker data) lists the stopped worker and why.
-    status = subprocess.run([sys.executable, "-m", "dflash_queue", "status", "-c", str(config), "--json"],
-                            capture_output=True, text=True, timeout=300)
-    assert status.returncode == 0, status.stderr[-2000:]
-    [stopped] = json.loads(status.stdout)["stopped_workers"]
-    assert stopped["lane"] == "extract" and stopped["exit_status"] == 78
-    assert stopped["reason"].startswith("ReferenceMismatch: vLLM extract engine: layer 13 (decoder_output) differs")

@@ -23,7 +23,6 @@ What the CPU build cannot run, and where it is covered instead (tools/gpu_check.
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 import shutil
@@ -195,27 +194,18 @@ def assert_stored_states_exact_and_as_the_transformers_engines(tmp_path: Path, m
 CPU_CONFIG = REPO / "worker_configs" / "local-cpu.toml"
 
 
-def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_not_start_then_raises_no_false_alarm(
-    tiny_model, tmp_path
-):
-    """worker_configs/local-cpu.toml as shipped (the whole sample job, one canary sample per shard, bfloat16 shards)
-    with extract.engine = "vllm" in bfloat16. With a KV cache no machine has, the engine's processes fail, and the
-    worker's error and `run`'s name the root cause vLLM logged (not "See root cause above"). With a cache that
-    fits (and vLLM's compiled graphs, as shipped), the same job runs through: every shard stored, each canary
-    within its calibrated tolerance, and the engine's states as the checkpoint's own at load."""
+def test_the_shipped_cpu_config_on_the_vllm_engine_says_why_it_did_not_start(tiny_model, tmp_path):
+    """worker_configs/local-cpu.toml with extract.engine = "vllm" in bfloat16 and a KV cache no machine has: the
+    engine's processes fail, and the worker's error and `run`'s name the root cause vLLM logged (not "See root cause
+    above")."""
     path = local_copy(CPU_CONFIG, tmp_path, model=tiny_model, tokenizer=tiny_model, broker_url="")
     tables = tomllib.loads(path.read_text())
-    assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
     tables["extract"]["engine"] = "vllm"
-    # The start that fails: one shard's prompts, a run of its own (state and storage apart from the job below).
-    failing = copy.deepcopy(tables)
-    failing["run"]["state_dir"], failing["storage"]["url"] = str(tmp_path / "failing-state"), str(tmp_path / "failing")
-    failing["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 100000.0, "enforce_eager": True,
-                                  "log_stats_interval_s": 0}
-    failing_path = tmp_path / "failing.toml"
-    failing_path.write_text(tomli_w.dumps(failing))
+    tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 100000.0, "enforce_eager": True,
+                                 "log_stats_interval_s": 0}
+    path.write_text(tomli_w.dumps(tables))
     prompts = first_lines(REPO / "examples" / "sharegpt_sample.jsonl", 8, tmp_path / "prompts.jsonl")
-    run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(failing_path)],
+    run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(path)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode != 0
     error = next(line for line in run.stderr.splitlines() if line.startswith("Error: "))
@@ -225,20 +215,40 @@ def test_the_shipped_cpu_config_in_bfloat16_on_the_vllm_engine_says_why_it_did_n
     ), run.stderr[-4000:]
     assert "less than requested memory for kv (100000.0 GiB)" in error
 
-    tables["extract"]["vllm"] = {"dtype": "bfloat16", "kv_cache_memory_gib": 1.0, "log_stats_interval_s": 0}
+
+@pytest.mark.parametrize("shipped", ["local-cpu-vllm.toml", "local-cpu.toml"])
+def test_the_shipped_cpu_configs_in_bfloat16_on_the_trained_checkpoint_raise_no_false_alarm(
+    shipped, trained_model, tmp_path
+):
+    """The shipped CPU configs as they are (vLLM in both lanes; Transformers in both lanes), run by `dflash-queue run`
+    on a trained checkpoint (SmolLM2-135M-Instruct) in bfloat16, the dtype users run, one canary sample per shard as
+    shipped, and the reference audit on every shard (two samples each): every shard stored, no canary mismatch (not
+    even one re-checked), the vLLM engine's states as the checkpoint's own at load, and every audit agreeing. Two
+    changes to the configs: the trained model's dtype, and no thinking (SmolLM2's chat template has none, and `run`
+    refuses a thinking policy the template cannot honour)."""
+    path = local_copy(REPO / "worker_configs" / shipped, tmp_path, model=trained_model, tokenizer=trained_model,
+                      broker_url="")
+    tables = tomllib.loads(path.read_text())
+    assert tables["extract"].get("canary_samples", 1) == 1 and tables["extract"]["hidden_dtype"] == "bfloat16"
+    tables["model"].update(dtype="bfloat16", name="smollm2")
+    tables["dataset"]["thinking"] = "never"
+    tables["audit"] = {"every_shards": 1, "samples_per_shard": 2}
     path.write_text(tomli_w.dumps(tables))
-    command = [sys.executable, "-m", "dflash_queue", "run", str(REPO / "examples" / "sharegpt_sample.jsonl"), "-c",
-               str(path)]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=1200)
+    prompts = first_lines(REPO / "examples" / "sharegpt_sample.jsonl", 16, tmp_path / "prompts.jsonl")
+    run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(path)],
+                         capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
     done = re.search(r"shards:\s+(\d+) done, 0 failed", run.stdout)
     assert done, run.stdout[-3000:]
     shards = int(done.group(1))
     assert f"canary:            {shards} samples rerun alone" in run.stdout
+    assert f"audit:             {shards} shard(s) recomputed by the checkpoint's own forward " in run.stdout
+    assert run.stdout.split("audit:", 1)[1].splitlines()[0].endswith("all agree")
     worker_log = (tmp_path / "state" / "logs" / "extract.log").read_text()
     assert "CanaryMismatch" not in worker_log and "canary sample" not in worker_log  # not even a re-check
-    assert re.search(r"bfloat16\); canary tolerance \S+ whole sample", worker_log)
-    assert "vLLM extract engine: states as the checkpoint's own: relative error" in worker_log
+    if tables["extract"].get("engine") == "vllm":
+        assert re.search(r"bfloat16\); canary tolerance \S+ whole sample", worker_log)
+        assert "vLLM extract engine: states as the checkpoint's own (steps of" in worker_log
     storage = open_storage(str(tmp_path / "storage"))
     for shard_id in stored_shard_ids(storage):
         with storage.local_copy(shard_key(shard_id)) as shard_path:
