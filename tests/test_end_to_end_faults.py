@@ -6,9 +6,6 @@ same faults through `dflash-queue run` on the 16-layer family: tests/test_end_to
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import redis
 import torch
@@ -27,13 +24,12 @@ from dflash_queue.shards.keys import completions_key, suspect_shard_ids
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
 from dflash_queue.storage import open_storage
 from dfq_testing import connector_faults
+from dfq_testing.chat_texts import chat, conversations
 from dfq_testing.configs import tiny_config_tables, write_config
 
 # Not vllm_forked_engine_cores: a forked engine core would not run the outside faults' site hook.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parent.parent
-SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 # SmolLM2's 30 layers: DFlash's five, then the last layer before and after the final norm.
 CAPTURED = [(1, DECODER_OUTPUT), (8, DECODER_OUTPUT), (14, DECODER_OUTPUT), (20, DECODER_OUTPUT),
             (27, DECODER_OUTPUT), (29, LAST_LAYER), (29, FINAL_NORM)]
@@ -46,26 +42,6 @@ RULES = [
     {"kind": "slot_offset_after", "position": SLOT_POSITION, "samples": "slot|audit-slot"},
     {"kind": "swap", "pairs": [["swap-a", "swap-b"], ["audit-swap-a", "audit-swap-b"]]},
 ]
-
-
-def conversations() -> list[tuple[str, str]]:
-    found = []
-    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
-        turns = json.loads(line)["conversations"]
-        human = [t["value"] for t in turns if t["from"] == "human"]
-        gpt = [t["value"] for t in turns if t["from"] == "gpt"]
-        if len(human) == 1 and len(gpt) == 1:
-            found.append((human[0], gpt[0]))
-    return found
-
-
-def chat(tokenizer, question: str, answer: str, system: str | None = None) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids) through the model's own chat template."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    completion = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return prompt, completion
 
 
 @pytest.fixture(scope="module")

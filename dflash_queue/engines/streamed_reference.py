@@ -57,7 +57,8 @@ class StreamedRun:
 
 
 class StreamedDecoder:
-    """The checkpoint at `path` run by its own class with one decoder layer resident at a time, on `device`."""
+    """The checkpoint at `path` run by its own class with one decoder layer resident at a time, on `device` (which
+    may be changed between runs: nothing is kept on it)."""
 
     def __init__(self, path: str, *, device: torch.device | str = "cpu", layout: CheckpointLayout | None = None) -> None:
         self.path = str(path)

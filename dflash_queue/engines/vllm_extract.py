@@ -608,12 +608,8 @@ class VllmStateExtractor:
         engine_on_gpu = self._resident.engine.vllm_config.device_config.device.type == "cuda"
         self._decoder = StreamedDecoder(setup.model.path, layout=read_layout(setup.model.path))
         past_a_step = step_tokens + step_tokens // 2 + self._coverage
-        self._decoder = StreamedDecoder(
-            setup.model.path,
-            device=reference_device(
-                self._decoder, settings.tensor_parallel_size, settings.reference_tokens or past_a_step
-            ),
-            layout=self._decoder.layout,
+        self._decoder.device = reference_device(
+            self._decoder, settings.tensor_parallel_size, settings.reference_tokens or past_a_step
         )
         beside_gpu = engine_on_gpu and self._decoder.device.type == "cpu"
         budget = settings.reference_tokens or (HOST_PROBE_TOKENS if beside_gpu else past_a_step)

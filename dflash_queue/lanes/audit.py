@@ -45,9 +45,6 @@ from dflash_queue.storage.config import StorageConfig
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 @dataclass(frozen=True)
 class AuditSummary:
     shard_id: str
@@ -135,7 +132,8 @@ class AuditLane:
             source.close()
         captured = list(zip(index.layer_ids, index.layer_states or ("decoder_output",) * len(index.layer_ids)))
         sequences = [sample["input_ids"].tolist() for sample in read]
-        dtype = _DTYPES.get(stored.dtype if stored and stored.dtype else "", None) or self._engine_dtype()
+        # What the engine computed in, as the worker that stored the shard said; else the config's.
+        dtype = resolve_dtype((stored.dtype if stored else "") or self.settings.engine_dtype, self.decoder.device)
         truth = reference_truth(self.decoder, sequences, captured, dtype, stored=index.dtype)
         comparison = compare_with_truth([sample["hidden_states"] for sample in read], truth, captured)
         names = ", ".join(f"{index.sample_ids[row]} ({len(seq)} tokens)" for row, seq in zip(rows, sequences))
@@ -182,9 +180,6 @@ class AuditLane:
         if self._window is None:
             self._window = self.settings.open_window()
         return self._window
-
-    def _engine_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.settings.engine_dtype, self.decoder.device)
 
     def close(self) -> None:
         if self._owns_storage and hasattr(self.storage, "close"):

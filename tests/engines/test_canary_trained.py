@@ -37,6 +37,7 @@ from dflash_queue.shards.completions import CompletionRecord, ServedTurn, encode
 from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
+from dfq_testing.chat_texts import chat, conversations
 from dfq_testing.configs import tiny_config_tables, write_config
 
 pytestmark = [
@@ -44,24 +45,11 @@ pytestmark = [
     pytest.mark.usefixtures("vllm_forked_engine_cores", "vllm_uniproc_executor"),
 ]
 
-SAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharegpt_sample.jsonl"
 BF16 = torch.bfloat16
 # Layers 14 and 20 of 30: where the massive activations dominate each sample's norm.
 LAYERS = [14, 20]
 FAULTS = {"swap": [["swap-a", "swap-b"], ["measure-a", "measure-b"]]}
 LOOSEST = TOLERANCE_CEILINGS[BF16]  # the whole-sample and first-token tolerance of the noisiest calibration
-
-
-def conversations() -> list[tuple[str, str]]:
-    """(question, answer) of the sample job's single-turn conversations."""
-    found = []
-    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
-        turns = json.loads(line)["conversations"]
-        human = [t["value"] for t in turns if t["from"] == "human"]
-        gpt = [t["value"] for t in turns if t["from"] == "gpt"]
-        if len(human) == 1 and len(gpt) == 1:
-            found.append((human[0], gpt[0]))
-    return found
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +76,6 @@ def trained(trained_model, tmp_path_factory):
         faults.uninstall()
     yield config, AutoTokenizer.from_pretrained(trained_model), extractor
     extractor.close()
-
-
-def chat(tokenizer, question: str, answer: str, system: str | None = None) -> tuple[list[int], list[int]]:
-    """(prompt ids, completion ids) through the model's chat template."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
-    completion = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    return prompt, completion
 
 
 def sharing_a_system_prompt(tokenizer) -> tuple[int, list[tuple[list[int], list[int]]]]:

@@ -97,7 +97,7 @@ def test_flower_sees_both_lanes_queues_and_finished_tasks(make_config, redis_url
         report = Producer(config, ledger).enqueue([first_lines(16, tmp_path / "prompts.jsonl")])
         assert report.enqueued == 2
         lengths = {q["name"]: q["messages"] for q in client.json("/api/queues/length")["active_queues"]}
-        assert lengths == {"generate": 2, "extract": 0}
+        assert lengths == {"generate": 2, "extract": 0, "audit": 0}
 
         workers = [start_worker(config, "generate"), start_worker(config, "extract")]
         wait_for_states(ledger, report.shard_ids, {DONE}, timeout=300, workers=workers)
@@ -118,7 +118,7 @@ def test_flower_sees_both_lanes_queues_and_finished_tasks(make_config, redis_url
             queues = [q["name"] for q in listed[worker.hostname]["active_queues"]]
             assert queues == [worker.lane]
         lengths = {q["name"]: q["messages"] for q in client.json("/api/queues/length")["active_queues"]}
-        assert lengths == {"generate": 0, "extract": 0}
+        assert lengths == {"generate": 0, "extract": 0, "audit": 0}
 
         status, body = client.get("/metrics")
         assert status == 200

@@ -95,7 +95,7 @@ def test_workers_log_in_as_a_least_rights_user_and_the_password_shows_nowhere(
                                   stderr=subprocess.STDOUT)
     try:
         lengths = wait_for_flower_queues(port, flower, log)
-        assert lengths == {"generate": 0, "extract": 0}  # Flower logged in to read them
+        assert lengths == {"generate": 0, "extract": 0, "audit": 0}  # Flower logged in to read them
         no_password_in(Path(f"/proc/{flower.pid}/cmdline").read_bytes(), "Flower's command line")
     finally:
         flower.terminate()
