@@ -1,8 +1,8 @@
 """Faults a broken connector or model runner would have, put into vLLM's processes from outside the package
-(dfq_testing/connector_faults.py), through `dflash-queue run` on the 16-layer family: an engine that reads its
-deepest layer one token off for every request is refused at load (the worker exits 78, `status` says why); a fault
-that only the reference audit sees leaves suspect shards, which `verify`, `export` and the training reader refuse
-until `suspects reextract` and a new run store them anew."""
+(dfq_testing/connector_faults.py), on the 16-layer family: an engine that reads its deepest layer one token off for
+every request is refused at load (its worker exits 78, `status` says why); through `dflash-queue run`, a fault that
+only the reference audit sees leaves suspect shards, which `verify`, `export` and the training reader refuse until
+`suspects reextract` and a new run store them anew."""
 
 from __future__ import annotations
 
@@ -13,47 +13,48 @@ from pathlib import Path
 
 import pytest
 
+from dflash_queue.config import load_config
+from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 from dflash_queue.shards.keys import shard_id_of, shard_key
 from dflash_queue.shards.training import TrainingShard
+from dflash_queue.training import ShardDataset
 from dfq_testing import connector_faults
+from dfq_testing.commands import dflash_queue
 from dfq_testing.configs import tiny_config_tables, write_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
+# vLLM extracting the 16-layer family in float32, prefilled in 64-token steps; one shard of 4 samples.
+VLLM_EXTRACT = {
+    "dataset": {"shard_size": 4, "max_model_len": 500},
+    "extract": {"engine": "vllm", "hidden_dtype": "float32"},
+    "extract.vllm": {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 64, "max_num_seqs": 8,
+                     "enforce_eager": True, "kv_cache_memory_gib": 0.5, "log_stats_interval_s": 0},
+}
 
 
-def test_run_refuses_at_load_an_engine_that_reads_its_deepest_layer_one_token_off(tiny_deep_family, tmp_path):
-    """`dflash-queue run` on the 16-layer family with vLLM extracting, the deepest captured layer's rows one token
-    off for every request (the load check's probes too): the extract worker refuses to start, exits 78 (which
-    systemd does not restart), and says which layer; the run fails saying so, with nothing stored."""
+def test_a_worker_refuses_at_load_an_engine_that_reads_its_deepest_layer_one_token_off(
+    tiny_deep_family, tmp_path, redis_url, start_worker
+):
+    """A `dflash-queue worker extract` on the 16-layer family with vLLM extracting, the deepest captured layer's rows
+    one token off for every request (the load check's probes too): it refuses to start, exits 78 (which systemd
+    does not restart) saying which layer, and `status` lists it with the reason."""
     model = tiny_deep_family("qwen3", 16)
-    tables = tiny_config_tables(model, tmp_path / "storage", "", tmp_path / "state")
-    config = write_config(
-        tmp_path / "run.toml", tables,
-        extract={"engine": "vllm", "hidden_dtype": "float32"},
-        **{"extract.vllm": {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-                            "enforce_eager": True, "kv_cache_memory_gib": 0.5, "log_stats_interval_s": 0}},
-        dataset={"max_model_len": 500},
-    )
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(SAMPLE.read_text().splitlines()[:4]) + "\n")
-    env = connector_faults.environment([{"kind": "deepest_layer_offset"}])
-    run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(config)],
-                         capture_output=True, text=True, timeout=900, env=env)
-    assert run.returncode != 0
-    error = next(line for line in run.stderr.splitlines() if line.startswith("Error: "))
-    assert error.startswith("Error: the extract worker exited with code 78"), run.stderr[-3000:]
-    log = (tmp_path / "state" / "logs" / "extract.log").read_text()
+    config = load_config(write_config(
+        tmp_path / "worker.toml", tiny_config_tables(model, tmp_path / "storage", redis_url, tmp_path / "state"),
+        **VLLM_EXTRACT,
+    ))
+    worker = start_worker(config, "extract", wait=False,
+                          env=connector_faults.environment([{"kind": "deepest_layer_offset"}]))
+    assert worker.process.wait(timeout=600) == EXIT_FAILING_CHECKS, worker.log_tail()
+    log = worker.log_tail(200_000)
     assert "ReferenceMismatch: vLLM extract engine: layer 13 (decoder_output) differs from the checkpoint's own" in log
-    assert not list((tmp_path / "storage").glob("shards/*"))
-    # `status` (from the stopped run's broker data) lists the stopped worker and why.
-    status = subprocess.run([sys.executable, "-m", "dflash_queue", "status", "-c", str(config), "--json"],
-                            capture_output=True, text=True, timeout=300)
+    status = dflash_queue("status", "-c", config.source, "--json", timeout=300)
     assert status.returncode == 0, status.stderr[-2000:]
     [stopped] = json.loads(status.stdout)["stopped_workers"]
-    assert stopped["lane"] == "extract" and stopped["exit_status"] == 78
+    assert stopped["lane"] == "extract" and stopped["exit_status"] == EXIT_FAILING_CHECKS
     assert stopped["reason"].startswith("ReferenceMismatch: vLLM extract engine: layer 13 (decoder_output) differs")
 
 
@@ -65,21 +66,14 @@ def test_a_fault_only_the_audit_sees_leaves_suspect_shards_that_no_reader_serves
     every shard: the audit halts the extract worker (exit 78) and makes its shards suspect. `verify` fails naming
     them, `export` refuses them, the training reader leaves them out, `suspects list` lists them; once the engine is
     fixed, `suspects reextract` and a new `run` store them anew, and everything reads as good again."""
-    from dflash_queue.training import ShardDataset
-    from dfq_testing.commands import dflash_queue
-
     model = tiny_deep_family("qwen3", 16)
     tables = tiny_config_tables(model, tmp_path / "storage", "", tmp_path / "state")
     config = write_config(
-        tmp_path / "run.toml", tables,
-        dataset={"shard_size": 4, "max_model_len": 500},
-        extract={"engine": "vllm", "hidden_dtype": "float32"},
+        tmp_path / "run.toml", tables, **VLLM_EXTRACT,
         audit={"enabled": True, "every_shards": 1, "samples_per_shard": 4},
-        **{"extract.vllm": {"dtype": "float32", "max_model_len": 512, "max_num_batched_tokens": 64, "max_num_seqs": 8,
-                            "enforce_eager": True, "kv_cache_memory_gib": 0.5, "log_stats_interval_s": 0}},
     )
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("\n".join(SAMPLE.read_text().splitlines()[:8]) + "\n")
+    prompts.write_text("\n".join(SAMPLE.read_text().splitlines()[:4]) + "\n")
     command = [sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(config)]
     # Only the dataset's samples (32 hex digits), not the probes: the engine starts, its checks see nothing.
     faulty = connector_faults.environment([{"kind": "slot_offset_after", "position": 40, "samples": "[0-9a-f]{32}"}])

@@ -369,8 +369,9 @@ class VllmStateExtractor:
             )
             self._gate, self._arrivals = self._resident.run(self._make_loop_objects())
             self._coverage = coverage_length_of(text)
-            self.calibrated_noise, self._tolerance = self._calibrate()
+            # Whether the engine computes the model first: a canary is worth calibrating only for one that does.
             self.reference = self._check_reference(setup)
+            self.calibrated_noise, self._tolerance = self._calibrate()
         except BaseException:
             self.close()
             raise

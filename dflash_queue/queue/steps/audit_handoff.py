@@ -44,4 +44,5 @@ class AuditHandOff:
             mark_suspect(self.storage, SuspectMark(shard_id, epoch, verdict.halted, "", node))
             log.error("shard %s stored by a worker a reference audit halted: suspect (%s)", shard_id, verdict.halted)
         elif verdict.audit_due:
-            self.send_to_lane(AUDIT.name, shard_id, num_samples, message.fingerprint, epoch=epoch)
+            # A shard extracted again (`redo`) is new states: its audit counts anew, as its extraction does.
+            self.send_to_lane(AUDIT.name, shard_id, num_samples, message.fingerprint, redo=message.redo, epoch=epoch)
