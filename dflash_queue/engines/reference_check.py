@@ -7,24 +7,31 @@ run by Transformers over the same tokens, streamed one decoder layer at a time (
 every captured entry, the last-layer and final-norm entries included.
 
 What "the same" means is measured, not assumed. The checkpoint's own class runs twice: in float32 (the truth) and
-in the engine's dtype, its result then rounded as the shard stores it (`stored_as`). Per entry, two measures, each
-against what the checkpoint's own class differs by from the truth on the same tokens:
+in the engine's dtype, its result then rounded as the shard stores it (`stored_as`). Per entry, three measures, each
+against what the checkpoint's own class differs by from the truth on the same tokens, times `ROUNDING_FACTOR`, and
+never below the dtype's floor (`FLOORS`):
 
 * the whole sequence: relative L2 error over its tokens (the worst sequence);
-* the worst token: each token's relative error, |got_t - truth_t| / |truth_t|, at its largest.
+* the tokens' tail: each token's relative error |got_t - truth_t| / |truth_t|, at its 99th percentile over every
+  compared token: a fault that touches more than one token in a hundred (a state of the next token or layer, rows
+  one slot off past a position) moves it, and rounding's rare large draws do not;
+* any single token: the largest per-token error, bound at least by a gross floor (0.5 in bfloat16): a state of
+  another token or request is off by 0.25-1.5, so a swap that changes a handful of tokens shows here, while a token
+  that rounding alone leaves far off (a state that nearly cancels) does not fail a correct engine.
 
-A trained model's residual stream has a few tokens of massive activation (the first token's state can be 50 x an
-ordinary one's): they dominate a whole-sequence norm, so a state of the wrong token, layer or request on every
-ordinary token moves the whole-sequence error by a few percent (measured on SmolLM2-135M-Instruct: a state of the
-next layer 0.036, a swap after a 249-token shared prefix 0.075) while each wrong token is off by 0.25-1.2. The
-per-token measure sees it. The bound of each measure is `ROUNDING_FACTOR` times what the checkpoint's own class
-differs by in the engine's dtype, at least the dtype's floor (`FLOORS`). Measured on that trained model in
-bfloat16: its own class per token at most 0.013-0.094 across the captured layers; vLLM's CPU build in bfloat16 at
-most 0.011-0.117 (1.25 x its own class at worst); a token's state one position off at least 0.24.
+Why per token: a trained model's residual stream has a few tokens of massive activation (the first token's state
+can be 50 x an ordinary one's), which dominate a whole-sequence norm: a state of the wrong token, layer or request on
+every ordinary token moves the whole-sequence error by a few percent (measured on SmolLM2-135M-Instruct: a state of
+the next layer 0.036, a swap after a 249-token shared prefix 0.075) while each wrong token is off by 0.25-1.2.
+Measured on that model in bfloat16, vLLM's CPU build against the truth and the class's own bfloat16 against the
+truth, per entry: at the 99th percentile of tokens 0.008-0.035 and 0.009-0.054, at their worst token 0.012-0.10 and
+0.019-0.107 on chat text; on random token ids (the load check's probe) their worst tokens reach 0.31 and 1.5 (tokens
+whose state nearly cancels), their 99th percentiles stay at 0.007-0.034 and 0.008-0.044.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,15 +45,18 @@ from dflash_queue.shards.fp8 import dequantize_fp8, quantize_fp8
 log = logging.getLogger(__name__)
 
 ROUNDING_FACTOR = 4.0
-# Per dtype: (whole sequence, worst token), the least each bound is. In float32 an engine differs from the truth by
-# 1e-7 to 1e-6; a state of the wrong token, layer or request by 0.2 and more per token.
+# The tokens' tail: this quantile of the per-token errors.
+TAIL = 0.99
+# Per dtype: (whole sequence, tokens' tail, any single token), the least each bound is. In float32 an engine differs
+# from the truth by 1e-7 to 1e-6 (a bfloat16 shard's rounding, 4e-3 per token, counts in the class's own); a state
+# of the wrong token, layer or request by 0.25 and more per token, 0.8 typically.
 FLOORS = {
-    torch.float32: (1e-3, 1e-2),
-    torch.float64: (1e-6, 1e-5),
-    torch.bfloat16: (2e-2, 5e-2),
-    torch.float16: (1e-2, 3e-2),
+    torch.float32: (1e-3, 1e-2, 5e-2),
+    torch.float64: (1e-6, 1e-5, 1e-4),
+    torch.bfloat16: (2e-2, 5e-2, 0.5),
+    torch.float16: (1e-2, 3e-2, 0.5),
 }
-_DEFAULT_FLOORS = (2e-2, 5e-2)
+_DEFAULT_FLOORS = (2e-2, 5e-2, 0.5)
 STORED_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The load-time probe: this many sequences of different lengths, run as one batch.
 PROBE_SEQUENCES = 4
@@ -57,25 +67,37 @@ HOST_PROBE_TOKENS = 1024
 
 @dataclass(frozen=True)
 class EntryComparison:
-    """One captured entry over every compared sequence."""
+    """One captured entry over every compared sequence: each measure of the engine's (or the stored) states against
+    the truth, the same measure of the checkpoint's own class in the engine's dtype, and the bound."""
 
     name: str  # "14 (decoder_output)"
-    error: float  # relative L2 error of the engine's states against the truth, the worst sequence
-    rounding: float  # the same for the checkpoint's own class in the engine's dtype (as stored)
-    token_error: float  # the largest per-token relative error of the engine's states
-    token_rounding: float  # the same for the checkpoint's own class
+    error: float  # relative L2 error over a sequence, the worst sequence
+    rounding: float
     bound: float
+    tail_error: float  # the TAIL quantile of the per-token relative errors
+    tail_rounding: float
+    tail_bound: float
+    token_error: float  # the largest per-token relative error
+    token_rounding: float
     token_bound: float
     worst_token: tuple[int, int]  # (sequence, position) of token_error
 
     @property
     def agrees(self) -> bool:
-        return self.error <= self.bound and self.token_error <= self.token_bound
+        return self.error <= self.bound and self.tail_error <= self.tail_bound and self.token_error <= self.token_bound
 
     @property
     def excess(self) -> float:
         """How far past its bounds (above 1: beyond them)."""
-        return max(self.error / self.bound, self.token_error / self.token_bound)
+        return max(self.error / self.bound, self.tail_error / self.tail_bound, self.token_error / self.token_bound)
+
+    def describe(self) -> str:
+        sequence, position = self.worst_token
+        return (
+            f"worst token {self.token_error:.2e} (sequence {sequence}, token {position}; bound "
+            f"{self.token_bound:.1e}), tokens' 99th percentile {self.tail_error:.2e} (bound {self.tail_bound:.1e}), "
+            f"whole sequence {self.error:.2e} (bound {self.bound:.1e})"
+        )
 
 
 @dataclass(frozen=True)
@@ -103,15 +125,12 @@ class ReferenceComparison:
     def describe(self) -> str:
         worst = self.worst
         dtype = str(self.dtype).removeprefix("torch.")
-        sequence, position = worst.worst_token
         stored = f", stored as {self.stored}" if self.stored and self.stored != dtype else ""
         return (
             f"{len(self.entries)} entries compared with the checkpoint's own forward ({self.architecture}, streamed "
             f"on {self.device}) over {len(self.lengths)} sequence(s) of {'/'.join(map(str, self.lengths))} tokens; "
-            f"closest to its bound: layer {worst.name}, worst token {worst.token_error:.2e} (sequence {sequence}, "
-            f"token {position}; bound {worst.token_bound:.1e}), whole sequence {worst.error:.2e} (bound "
-            f"{worst.bound:.1e}); bounds {ROUNDING_FACTOR:g} x what the checkpoint's own class differs by in {dtype}"
-            f"{stored}; {self.seconds:.1f} s"
+            f"closest to its bounds: layer {worst.name}, {worst.describe()}; bounds {ROUNDING_FACTOR:g} x what the "
+            f"checkpoint's own class differs by in {dtype}{stored}; {self.seconds:.1f} s"
         )
 
 
@@ -164,11 +183,11 @@ def compare_with_truth(
     `reference`."""
     if len(got) != len(reference.truth):
         raise ValueError(f"{len(got)} sequences' states compared with {len(reference.truth)} references")
-    floor, token_floor = FLOORS.get(reference.dtype, _DEFAULT_FLOORS)
+    floor, tail_floor, token_floor = FLOORS.get(reference.dtype, _DEFAULT_FLOORS)
     entries = []
     for k, (layer, kind) in enumerate(captured):
-        error = rounding = token_error = token_rounding = 0.0
-        worst_token = (0, 0)
+        error = rounding = 0.0
+        errors, roundings = [], []
         for index, (states, truth, own) in enumerate(zip(got, reference.truth, reference.own)):
             if states.shape != truth.shape:
                 raise ValueError(f"sequence {index}: states of shape {tuple(states.shape)}, the reference's "
@@ -176,20 +195,25 @@ def compare_with_truth(
             want = truth[:, k]
             error = max(error, _relative(states[:, k], want))
             rounding = max(rounding, _relative(own[:, k], want))
-            per_token = _per_token(states[:, k], want)
-            position = int(per_token.argmax())
-            if float(per_token[position]) > token_error:
-                token_error, worst_token = float(per_token[position]), (index, position)
-            token_rounding = max(token_rounding, float(_per_token(own[:, k], want).max()))
+            errors.append(_per_token(states[:, k], want))
+            roundings.append(_per_token(own[:, k], want))
+        per_token, own_per_token = torch.cat(errors), torch.cat(roundings)
+        worst = int(per_token.argmax())
+        sequence = next(i for i, end in enumerate(itertools.accumulate(len(e) for e in errors)) if worst < end)
+        tail_rounding = float(torch.quantile(own_per_token, TAIL))
+        token_rounding = float(own_per_token.max())
         entries.append(EntryComparison(
             name=f"{layer} ({kind})",
             error=error,
             rounding=rounding,
-            token_error=token_error,
-            token_rounding=token_rounding,
             bound=max(ROUNDING_FACTOR * rounding, floor),
+            tail_error=float(torch.quantile(per_token, TAIL)),
+            tail_rounding=tail_rounding,
+            tail_bound=max(ROUNDING_FACTOR * tail_rounding, tail_floor),
+            token_error=float(per_token[worst]),
+            token_rounding=token_rounding,
             token_bound=max(ROUNDING_FACTOR * token_rounding, token_floor),
-            worst_token=worst_token,
+            worst_token=(sequence, worst - sum(len(e) for e in errors[:sequence])),
         ))
     return ReferenceComparison(
         entries=tuple(entries),
@@ -210,14 +234,12 @@ def require_agreement(comparison: ReferenceComparison, engine: str, consequence:
     beyond = [entry for entry in comparison.entries if not entry.agrees]
     worst = max(beyond, key=lambda entry: entry.excess)
     dtype = str(comparison.dtype).removeprefix("torch.")
-    sequence, position = worst.worst_token
     raise ReferenceMismatch(
-        f"{engine}: layer {worst.name} differs from the checkpoint's own forward: worst token {worst.token_error:.2e} "
-        f"(sequence {sequence}, token {position}; bound {worst.token_bound:.1e}), whole sequence {worst.error:.2e} "
-        f"(bound {worst.bound:.1e}), more than {dtype} rounding explains ({len(beyond)} of "
-        f"{len(comparison.entries)} entries beyond their bounds; {comparison.describe()}): these states are not the "
-        "model's (a layer or token off by one, rows read from the wrong cache slots or of another request, a state "
-        "taken after the final norm, a kernel computing something else)" + (f"; {consequence}" if consequence else ""),
+        f"{engine}: layer {worst.name} differs from the checkpoint's own forward: {worst.describe()}, more than "
+        f"{dtype} rounding explains ({len(beyond)} of {len(comparison.entries)} entries beyond their bounds; "
+        f"{comparison.describe()}): these states are not the model's (a layer or token off by one, rows read from the "
+        "wrong cache slots or of another request, a state taken after the final norm, a kernel computing something "
+        "else)" + (f"; {consequence}" if consequence else ""),
         comparison,
     )
 

@@ -145,11 +145,10 @@ class AuditLane:
             return AuditSummary(shard_id, epoch, len(rows), comparison.tokens, True, detail,
                                 comparison.worst.excess)
         worst = comparison.worst
-        sequence, position = worst.worst_token
+        sequence, _ = worst.worst_token
         reason = (
-            f"audit of shard {shard_id}: sample {index.sample_ids[rows[sequence]]}, layer {worst.name}: worst token "
-            f"{worst.token_error:.2e} at token {position} (bound {worst.token_bound:.1e}), whole sequence "
-            f"{worst.error:.2e} (bound {worst.bound:.1e}) against the checkpoint's own forward"
+            f"audit of shard {shard_id}: sample {index.sample_ids[rows[sequence]]}, layer {worst.name}: "
+            f"{worst.describe()} against the checkpoint's own forward"
         )
         suspects = self._suspect(stored, shard_id, epoch, reason)
         log.error("%s: %s; %d shard(s) made suspect: %s", reason, detail, len(suspects),
