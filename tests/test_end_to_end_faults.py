@@ -78,7 +78,7 @@ def engine(trained_model, tmp_path_factory, vllm_uniproc_executor):
         model={"name": "smollm2", "dtype": "bfloat16"},
         extract={"engine": "vllm", "num_draft_layers": 5, "last_layer_state": True, "final_norm_state": True,
                  "canary_samples": 0},
-        **{"extract.vllm": {"max_model_len": 1400, "max_num_batched_tokens": STEP_TOKENS, "max_num_seqs": 8,
+        **{"extract.vllm": {"max_model_len": 768, "max_num_batched_tokens": STEP_TOKENS, "max_num_seqs": 8,
                             "enforce_eager": True, "kv_cache_memory_gib": 0.5, "log_stats_interval_s": 0,
                             "shutdown_timeout_s": 30}},
     ))
