@@ -234,7 +234,7 @@ def test_the_shipped_cpu_configs_in_bfloat16_on_the_trained_checkpoint_raise_no_
     tables["dataset"]["thinking"] = "never"
     tables["audit"] = {"every_shards": 1, "samples_per_shard": 2}
     path.write_text(tomli_w.dumps(tables))
-    prompts = first_lines(REPO / "examples" / "sharegpt_sample.jsonl", 12, tmp_path / "prompts.jsonl")
+    prompts = first_lines(REPO / "examples" / "sharegpt_sample.jsonl", 8, tmp_path / "prompts.jsonl")
     run = subprocess.run([sys.executable, "-m", "dflash_queue", "run", str(prompts), "-c", str(path)],
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-4000:]
