@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
@@ -71,7 +73,11 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
     help="Task slots (threads). Default: generate.vllm.inflight_tasks for the vLLM engine, 1 for the Transformers "
     "engine; 1 + storage.uploader.max_pending for extract, so that uploads overlap the next shard's compute.",
 )
-@click.option("-n", "--hostname", default=None, help="Celery node name (default LANE-RUN@HOST).")
+@click.option(
+    "-n", "--hostname", default=None,
+    help="Celery node name (default LANE-RUN@HOST; LANE-RUN-gpuGROUP@HOST for a worker given GPUs by --gpus or "
+    "CUDA_VISIBLE_DEVICES, e.g. extract-myrun-gpu0-3@node). A worker whose name a live worker holds is refused.",
+)
 @click.option("-l", "--loglevel", default="INFO", show_default=True)
 @click.option(
     "--gpus",
@@ -102,8 +108,9 @@ def worker(
         # Before anything can initialise CUDA: the engine sees only these GPUs, renumbered from 0.
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(group)
         click.echo(f"GPUs {visible_devices(group)} (CUDA_VISIBLE_DEVICES)", err=True)
-    from dflash_queue.queue.worker import run_worker
+    from dflash_queue.queue.worker import default_node_name, run_worker
 
+    hostname = hostname or default_node_name(lane, config.run.name, _gpu_label(os.environ))
     if not config.broker.url:
         raise click.ClickException(f"{config_path}: broker.url is empty; workers need a broker (or DFQ_BROKER_URL)")
     from dflash_queue.run_lock import refuse_foreign_worker
@@ -117,6 +124,21 @@ def worker(
     except DflashQueueError as exc:  # storage check failed, bad storage settings: say why and exit non-zero
         raise click.ClickException(str(exc)) from None
     sys.exit(code)
+
+
+def _gpu_label(environ: Mapping[str, str]) -> str:
+    """The worker's GPUs as its default node name carries them: CUDA_VISIBLE_DEVICES (set by --gpus, or by the
+    environment) in the systemd instance form ("0,1,2,3" -> "0-3"); device names that are not indices (GPU UUIDs)
+    as they are, any character other than a letter, digit, "-" or "_" replaced by "_"; "" without GPUs."""
+    from dflash_queue.ops.gpus import instance_name, parse_gpu_group
+
+    devices = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not devices:
+        return ""
+    try:
+        return instance_name(parse_gpu_group(devices))
+    except ValueError:
+        return re.sub(r"[^A-Za-z0-9_-]", "_", devices)
 
 
 @click.command()

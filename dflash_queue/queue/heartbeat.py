@@ -1,19 +1,26 @@
 """A worker's heartbeat thread: it registers the worker process (an incarnation), keeps its liveness key, records
 the messages it takes, and puts back those of dead incarnations, its own predecessors under the same node name
-first (see queue/liveness.py)."""
+first (see queue/liveness.py). A worker whose node name a live worker holds is refused at start (NodeNameInUse)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from celery import Celery, signals
 
+from dflash_queue.errors import DflashQueueError
 from dflash_queue.queue.liveness import HeldMessage, Incarnation, Liveness
 from dflash_queue.runstate.ledger import resilient_client
 
 log = logging.getLogger(__name__)
+
+
+class NodeNameInUse(DflashQueueError):
+    """A live worker (heartbeat fresh, process running or out of sight) runs under the node name this one starts
+    under: the two would put back each other's messages as a dead predecessor's."""
 
 
 def put_back(app: Celery, liveness: Liveness, incarnations: list[Incarnation]) -> list[HeldMessage]:
@@ -56,6 +63,33 @@ class Heartbeat:
         self.on_beat: list[Callable[[], object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dfq-heartbeat", daemon=True)
+
+    def refuse_live_namesakes(self) -> None:
+        """Raise NodeNameInUse, naming them, when live workers run under this node name; called before this worker
+        succeeds its predecessors. A broker that cannot be asked is logged and lets the worker start."""
+        try:
+            live = self.liveness.live_namesakes(self.incarnation)
+            seen = {i.id: self.liveness.last_seen(i.id) for i in live}
+        except Exception:
+            log.exception("could not look for live workers named %s; starting", self.node)
+            return
+        if not live:
+            return
+        now = time.time()
+        described = []
+        for namesake in live:
+            beat = seen[namesake.id]
+            ago = f"last heartbeat {max(0.0, now - beat):.0f} s ago" if beat is not None else "heartbeat fresh"
+            where = namesake.process.out_of_sight() or "its process runs on this machine"
+            described.append(f"{namesake.describe()}: {ago}; {where}")
+        raise NodeNameInUse(
+            f"node name {self.node} is in use by a live worker of run {self.liveness.keys.run_name}:\n  "
+            + "\n  ".join(described)
+            + f"\ntwo workers under one name would put back each other's tasks: give this one a name of its own "
+            f"(--hostname, or --gpus, which the default name carries). If that worker is gone (its container "
+            f"restarted), the name is free once its heartbeat expires, at most {self.liveness.ttl_s} s "
+            f"(broker.worker_liveness_s) after it stopped"
+        )
 
     def succeed_predecessors(self) -> list[HeldMessage]:
         """Put back what earlier workers under this node name held (a crashed worker restarted under its name):

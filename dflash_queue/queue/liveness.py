@@ -16,11 +16,16 @@ can neither refresh its dead predecessor's heartbeat nor inherit its records. Ev
   kombu's own restore (a transaction: two workers restoring at once restore a message once), and forgets it.
 
 An incarnation is dead when its heartbeat expired, or at once when its process is seen gone (same host, boot and
-pid namespace: the pid no longer runs, or runs another process). A worker starting under a node name whose
-records exist succeeds that incarnation: it puts back what the predecessor held before it takes anything, unless
-the predecessor is seen running (two live workers with one name is a mistake; its work is then done twice, which
-the exactly-once accounting absorbs). A redelivered message counts against `broker.max_deliveries` like any
-other. A worker stopped warmly hands its messages back itself and removes its records.
+pid namespace: the pid no longer runs, or runs another process). A process this one cannot see (another host, boot
+or pid namespace: workers in containers with host networking share a host name) is alive while its heartbeat is.
+
+A worker starting under a node name whose records exist succeeds the dead incarnations among them: it puts back
+what they held before it takes anything. A namesake that is alive (its heartbeat fresh, and its process running or
+out of sight) is no predecessor: its messages stay its own, and the starting worker is refused, naming it (two live
+workers under one name would put back each other's messages). One seen running whose heartbeat stopped (a frozen
+heartbeat thread) is left to its heartbeat as well: the beats of the run's workers put back what it held. A
+redelivered message counts against `broker.max_deliveries` like any other. A worker stopped warmly hands its
+messages back itself and removes its records.
 """
 
 from __future__ import annotations
@@ -140,13 +145,32 @@ class Liveness:
     def dead(self) -> list[Incarnation]:
         return [i for i in self.incarnations().values() if self.is_dead(i)]
 
+    def namesakes(self, incarnation: Incarnation) -> list[Incarnation]:
+        """The other incarnations registered under `incarnation`'s node name, live or dead."""
+        return [i for i in self.incarnations().values() if i.node == incarnation.node and i.id != incarnation.id]
+
     def predecessors(self, successor: Incarnation) -> list[Incarnation]:
-        """Earlier incarnations under `successor`'s node name that are not seen running: the successor puts back
-        what they held. One whose process runs (seen from here) is left to its heartbeat."""
+        """Earlier incarnations under `successor`'s node name that are dead, as far as this process can tell: the
+        successor puts back what they held. Their process seen gone, or out of sight (another host, boot or pid
+        namespace) with its heartbeat expired. One seen running is left to its heartbeat."""
+        return [i for i in self.namesakes(successor) if self._gone(i)]
+
+    def _gone(self, incarnation: Incarnation) -> bool:
+        running = incarnation.process.running()
+        return running is False or (running is None and not self.heartbeat_fresh(incarnation.id))
+
+    def live_namesakes(self, incarnation: Incarnation) -> list[Incarnation]:
+        """Other incarnations under `incarnation`'s node name that are alive: heartbeat fresh, and their process
+        running or out of sight from here."""
         return [
-            i for i in self.incarnations().values()
-            if i.node == successor.node and i.id != successor.id and i.process.running() is not True
+            i for i in self.namesakes(incarnation)
+            if self.heartbeat_fresh(i.id) and i.process.running() is not False
         ]
+
+    def last_seen(self, incarnation: str) -> float | None:
+        """When the incarnation last beat (wall clock), None when it never did."""
+        seen = self.client.hget(self.keys.last_seen, incarnation)
+        return float(seen) if seen is not None else None
 
     def held(self) -> list[HeldMessage]:
         """Every message a worker recorded taking and has not finished, whatever its heartbeat."""

@@ -75,11 +75,20 @@ class ProcessIdentity:
 
     def visible_here(self) -> bool:
         """Whether this process can see that one's pid: same host, same boot, same pid namespace."""
+        return not self.out_of_sight()
+
+    def out_of_sight(self) -> str:
+        """Why this process cannot see that one ("" when it can): another host, boot or pid namespace."""
         here = ProcessIdentity.of_this_process()
-        return (
-            bool(self.host and self.boot_id and self.pid_namespace)
-            and (self.host, self.boot_id, self.pid_namespace) == (here.host, here.boot_id, here.pid_namespace)
-        )
+        if not (self.host and self.boot_id and self.pid_namespace):
+            return "its process identity is not recorded"
+        if self.host != here.host:
+            return f"it runs on another host ({self.host})"
+        if self.boot_id != here.boot_id:
+            return f"it ran in another boot of {self.host} (or runs on another machine of that name)"
+        if self.pid_namespace != here.pid_namespace:
+            return f"it runs in another pid namespace ({self.pid_namespace}) on {self.host} (another container's)"
+        return ""
 
     def running(self) -> bool | None:
         """True while that process runs, False once it has ended (its pid gone or taken by another process), None

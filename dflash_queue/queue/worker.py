@@ -22,7 +22,8 @@ way, hands its tasks back to the queue and exits with a failure code (EXIT_ENGIN
 queue/steps/hand_back.py). So does a worker whose engine failed its state checks on `extract.stop_after_failed_checks` shards in
 a row, with EXIT_FAILING_CHECKS (78), which the shipped systemd units do not restart on: the shards wait in the
 queue for a healthy worker, and the run's `status` shows the stop and its reason (queue/check_streak.py). A
-worker clears its node's stop record when it starts.
+worker clears its node's stop record when it starts. A worker whose node name a live worker holds (another
+container of this host, say) is refused at start, before anything loads (queue/heartbeat.py: NodeNameInUse).
 
 Storage is checked before the engine is loaded (write, read back, list, delete a probe object): a missing
 bucket or denied access stops the worker at once with the reason. The extract worker runs 1 + max_pending task
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 
 
 WORKER_LOG_FORMAT = "[%(asctime)s: %(levelname)s/%(processName)s] %(message)s"
-__all__ = ["EXIT_ENGINE_LOST", "open_checked_storage", "run_worker"]
+__all__ = ["EXIT_ENGINE_LOST", "default_node_name", "open_checked_storage", "run_worker"]
 
 
 def open_checked_storage(settings: StorageConfig) -> Storage:
@@ -69,6 +70,12 @@ def open_checked_storage(settings: StorageConfig) -> Storage:
     if abort_stale is not None and settings.s3.abort_stale_uploads_after_s > 0:
         abort_stale()
     return storage
+
+
+def default_node_name(lane: str, run: str, gpus: str = "") -> str:
+    """`LANE-RUN@HOST`, or `LANE-RUN-gpuGPUS@HOST` for a worker given GPUs (`gpus` in the systemd instance form:
+    `0`, `0-3`, `0_2`): the workers of one node, each on GPUs of its own, have names of their own."""
+    return f"{lane}-{run}{f'-gpu{gpus}' if gpus else ''}@{socket.gethostname()}"
 
 
 def run_worker(
@@ -93,8 +100,12 @@ def run_worker(
     refused = login_error(broker_url)
     if refused:
         raise BrokerLoginRefused(refused)
-    node = hostname or f"{spec.name}-{config.run.name}@{socket.gethostname()}"
+    node = hostname or default_node_name(spec.name, config.run.name)
     heartbeat = Heartbeat(app, broker_url, config.run.name, node, config.broker.worker_liveness_s)
+    # Not beside a live worker of the same name (another container on this host, say): each would put back the
+    # other's messages as a dead predecessor's. Refused with exit status 1: restarted after RestartSec, by when the
+    # heartbeat of a namesake that is in fact gone has expired.
+    heartbeat.refuse_live_namesakes()
     # A worker restarted under its name (systemd) puts back what its dead predecessor held, before its engine loads.
     heartbeat.succeed_predecessors()
     concurrency = concurrency or spec.default_slots(config)

@@ -4,6 +4,7 @@ visibility timeout; `status` shows them held by a dead worker meanwhile. Real re
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from dflash_queue.faults import ENV
 from dflash_queue.ops.status import WorkerView, collect_status
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.liveness import Liveness
 from dflash_queue.runstate.ledger import DONE, GENERATED, Ledger
 from dflash_queue.verify import verify
@@ -162,3 +164,60 @@ def test_a_worker_restarted_after_the_units_restart_delay_puts_back_what_its_pre
     wait_until(lambda: redelivered(ledger, held), 120, "the predecessor's tasks delivered again", [successor])
     wait_for_states(ledger, shard_ids, {DONE}, timeout=180, workers=[successor])
     assert collect_status(config, workers=WorkerView()).lanes["extract"].held_by_dead == 0
+
+
+def test_a_live_namesake_in_another_pid_namespace_keeps_its_tasks_and_a_worker_starting_under_its_name_is_refused(
+    make_config, redis_url, start_worker, fork_server, tmp_path
+):
+    """Two workers under one node name, as in two containers of one host with host networking: the first runs in a
+    pid namespace of its own (a real one), so the second cannot see its process, only its fresh heartbeat."""
+    from dfq_testing.other_pid_namespace import unshare_available
+
+    why_not = unshare_available()
+    if why_not:
+        pytest.skip(why_not)
+    config = make_config(
+        broker={"visibility_timeout_s": 3600, "task_timeout_s": 600, "worker_liveness_s": LIVENESS_S},
+        dataset={"shard_size": 4, "thinking": "never"},
+        **{"generate.sampling": {"max_tokens": 8}},
+    )
+    app = configure_app(config)
+    dataset = first_lines(SAMPLE, 4, tmp_path / "prompts.jsonl")
+    ledger = Ledger.from_url(redis_url, config.run.name)
+    liveness = Liveness(ledger.client, config.run.name, LIVENESS_S)
+    node = "generate-0@shared-host"
+    contained = WorkerProcess(
+        "generate", Path(config.source), {**os.environ, ENV: json.dumps({"task_delay_s": 600})},
+        tmp_path / "logs" / "contained.log", hostname=node, module="dfq_testing.other_pid_namespace",
+        popen=fork_server.popen,
+    )
+    try:
+        contained.wait_ready(app, timeout=180)
+        report = Producer(config, ledger).enqueue([dataset])
+        held = wait_until(lambda: holding(liveness, node, 1, redis_url, config.run.name), 120,
+                          "the contained worker holding its started task", [contained])
+        [namesake] = [i for i in liveness.incarnations().values() if i.node == node]
+        assert namesake.process.pid == 1 and "another pid namespace" in namesake.process.out_of_sight()
+
+        since = time.time()
+        second = start_worker(config, "generate", hostname=node, wait=False)
+        wait_until(lambda: not second.alive() or put_back(ledger, held, since), 120,
+                   "the second worker refused (or the first one's task put back)", [contained])
+        assert not put_back(ledger, held, since), "the live namesake's task was put back"
+        assert second.process.wait(timeout=60) == 1
+        refusal = second.log_tail()
+        assert f"node name {node} is in use by a live worker" in refusal, refusal
+        assert f"incarnation {namesake.id[:8]}" in refusal and "another pid namespace" in refusal, refusal
+        assert delivery_counts(redis_url, config.run.name) == [1] and contained.alive()
+        assert [m.task_id for m in liveness.held()] == [m.task_id for m in held]
+
+        # Killed, its heartbeat expires: then a worker under its name succeeds it, as any dead predecessor.
+        contained.kill()
+        wait_until(lambda: not liveness.heartbeat_fresh(namesake.id), 3 * LIVENESS_S,
+                   "the contained worker's heartbeat expired")
+        successor = start_worker(config, "generate", hostname=node, wait=False)
+        wait_for_states(ledger, report.shard_ids, {GENERATED, DONE}, timeout=120, workers=[successor])
+        assert f"succeeding {node} (pid 1 on " in successor.log_tail(20000)
+        assert delivery_counts(redis_url, config.run.name) == [2] and liveness.held() == []
+    finally:
+        contained.stop(timeout=30)

@@ -42,9 +42,14 @@ def test_another_process_under_the_same_pid_is_not_it():
     assert replace(here, start_ticks=str(int(here.start_ticks) + 1)).running() is False
 
 
-def test_from_another_host_or_pid_namespace_it_cannot_tell():
+def test_from_another_host_or_pid_namespace_it_cannot_tell_and_says_why():
     here = ProcessIdentity.of_this_process()
-    assert replace(here, host=here.host + "-elsewhere").running() is None
-    assert replace(here, pid_namespace="pid:[1]").running() is None
-    assert replace(here, boot_id="another-boot").running() is None
-    assert ProcessIdentity.from_json({}).running() is None
+    assert here.out_of_sight() == ""
+    elsewhere = {
+        "another host": replace(here, host=here.host + "-elsewhere"),
+        "another pid namespace": replace(here, pid_namespace="pid:[1]"),
+        "another boot": replace(here, boot_id="another-boot"),
+        "not recorded": ProcessIdentity.from_json({}),
+    }
+    for why, identity in elsewhere.items():
+        assert identity.running() is None and why in identity.out_of_sight()

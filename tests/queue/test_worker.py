@@ -3,16 +3,24 @@ shutdown with uploads in flight (real `dflash-queue worker` subprocesses, redis-
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import redis
+from click.testing import CliRunner
 
+from dflash_queue.cli import main
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
 from dflash_queue.lanes.generate import GenerateLane, build_generate_engine, generate_lane_settings
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.heartbeat import Heartbeat
+from dflash_queue.queue.liveness import Incarnation, Liveness
 from dflash_queue.queue.tasks import LANE_TASKS
 from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.keys import prompts_key, shard_key
@@ -20,6 +28,7 @@ from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import open_storage
 from dfq_testing.configs import tiny_vllm_overrides
+from dfq_testing.gpus import fake_nvidia_smi
 from dfq_testing.pipeline_shards import FLAG_EVERYTHING
 from dfq_testing.polling import wait_for_states
 
@@ -141,3 +150,33 @@ def test_warm_shutdown_stores_or_requeues_every_shard(make_config, s3_tables, st
     again = start_worker(config, "extract")
     wait_for_states(ledger, shard_ids, {DONE}, timeout=600, workers=[again])
     assert sorted(k.split("/")[1].split(".")[0] for k in storage.list("shards/")) == sorted(shard_ids)
+
+
+def test_a_worker_given_gpus_is_named_for_them_and_refused_beside_a_live_namesake(
+    make_config, redis_url, monkeypatch, tmp_path
+):
+    """The default node name carries the GPU group (from --gpus, or CUDA_VISIBLE_DEVICES as the environment sets it);
+    a worker whose name a live worker holds (a fresh heartbeat, its process in another container's pid namespace)
+    stops before it loads anything, naming that worker."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after: the command sets it
+    monkeypatch.setenv("PATH", f"{fake_nvidia_smi(tmp_path / 'bin', 4)}{os.pathsep}{os.environ['PATH']}")
+    # A worker let past the refusal would go on to load its engine and consume in this process: it stops here.
+    monkeypatch.setattr(Heartbeat, "succeed_predecessors", lambda self: pytest.fail(f"{self.node} was not refused"))
+    config = make_config()
+    liveness = Liveness(redis.Redis.from_url(redis_url, decode_responses=True), config.run.name, ttl_s=30)
+    here = Incarnation.of_this_process("")
+    named = [(None, None, ""), ("0,1", None, "-gpu0-1"), (None, "2,3", "-gpu2-3"),
+             (None, "GPU-8f0e2c1a,GPU-77b1", "-gpuGPU-8f0e2c1a_GPU-77b1")]
+    for gpus, environment, label in named:
+        node = f"generate-{config.run.name}{label}@{socket.gethostname()}"
+        namesake = replace(here, id=f"namesake{label}", node=node,
+                           process=replace(here.process, pid_namespace="pid:[4026530000]"))
+        liveness.register(namesake)
+        if environment is not None:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", environment)
+        result = CliRunner().invoke(main, ["worker", "generate", "-c", config.source,
+                                           *(["--gpus", gpus] if gpus else [])])
+        assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
+        assert f"node name {node} is in use by a live worker of run {config.run.name}" in result.output
+        assert "incarnation namesake" in result.output and "another pid namespace" in result.output
+        assert liveness.live_namesakes(replace(namesake, id="other")) == [namesake]
