@@ -20,7 +20,8 @@ preemption safe to use: a sequence whose states are not whole never reaches a sh
 
 On CUDA the statistics are computed on the device after the gather, then states and statistics are copied on a
 side stream into pinned host memory and written by a thread, and the blocks are released once the copy is done; on
-CPU all of it happens in the step.
+CPU all of it happens in the step. That hand-over, gather to file, is engines/vllm_states_sender.py (no vLLM import:
+tools/bench_host_path.py times it where vLLM is absent).
 
 Each request names its sample in `kv_transfer_params` ({"sample": id, "canary": bool}, set by the worker).
 Fault injection (tests only): `kv_connector_extra_config["faults"]` may zero, make constant, leave half
@@ -40,7 +41,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dflash_queue.engines.passes import token_stats
-from dflash_queue.engines.vllm_states_file import save_states
+from dflash_queue.engines.vllm_states_sender import PARTIAL_SUFFIX, StatesSender, StatesTransfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -75,24 +75,11 @@ CANARY_PARAM = "canary"
 # Suffixes of the file left beside a states file that could not be written: an I/O failure (retried), or another.
 IO_ERROR_SUFFIX = ".ioerror"
 ERROR_SUFFIX = ".error"
-PARTIAL_SUFFIX = ".partial"  # a file being written; renamed into place when whole
 
 
 def states_file(transfer_dir: str, request_id: str) -> str:
     safe = "".join(c if c.isalnum() or c in "-_.@" else "_" for c in request_id)[:200]
     return os.path.join(transfer_dir, f"{safe}.safetensors")
-
-
-@dataclass
-class StatesTransfer:
-    """A finished sequence whose states go to the worker."""
-
-    request_id: str
-    path: str
-    block_ids: list[int]
-    token_ids: list[int]
-    sample: str = ""
-    canary: bool = False
 
 
 @dataclass
@@ -142,12 +129,10 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         self._cache: torch.Tensor | None = None
         self._writer = True  # tensor-parallel rank 0; set in register_kv_caches
         self._rank = 0
-        self._copies: dict[str, Any] = {}  # request id -> CUDA event of its device-to-host copy (None: done)
+        self._sender: StatesSender | None = None  # gathers, checks and writes the states; set in register_kv_caches
         self._held: dict[str, tuple[StatesTransfer, torch.Tensor]] = {}  # a swap fault's first half
         self._no_space = set(self._faults.get("no_space", ()))  # samples whose first write fails (test fault)
         self._flaked: set[tuple[str, str]] = set()  # (fault, sample) of the flakes that fired
-        self._pool: ThreadPoolExecutor | None = None
-        self._stream: torch.cuda.Stream | None = None
 
     # ---------------------------------------------------------------------------------------------------------
     # Scheduler side
@@ -227,8 +212,7 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                 "hidden]; the rows read would be the wrong ones"
             )
         self._cache = cache
-        if cache.is_cuda:
-            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dfq-states")
+        self._sender = StatesSender(cache, self._block_size, _write_error)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -259,72 +243,18 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             if isinstance(metadata, HiddenStatesMetadata):
                 for transfer in metadata.transfers:
                     self._send(transfer)
-        done = set()
-        for request_id, event in list(self._copies.items()):
-            if event is None or event.query():
-                del self._copies[request_id]
-                done.add(request_id)
+        done = self._sender.done() if self._sender is not None else set()
         return done or None, None
 
     def _gather(self, transfer: StatesTransfer) -> torch.Tensor:
         """The sequence's rows of the cache: [tokens, K, H] (on the cache's device)."""
-        assert self._cache is not None
-        blocks = torch.tensor(transfer.block_ids, dtype=torch.long)
-        offsets = torch.arange(self._block_size, dtype=torch.long)
-        slots = (blocks[:, None] * self._block_size + offsets[None, :]).flatten()[: len(transfer.token_ids)]
-        if len(slots) < len(transfer.token_ids):
-            raise ValueError(
-                f"request {transfer.request_id}: {len(transfer.block_ids)} blocks hold {len(slots)} states for "
-                f"{len(transfer.token_ids)} tokens"
-            )
-        slots = slots.to(self._cache.device, non_blocking=True)
-        return self._cache[slots // self._block_size, :, slots % self._block_size]
+        assert self._sender is not None
+        return self._sender.gather(transfer)
 
     def _send(self, transfer: StatesTransfer) -> None:
-        try:
-            states = self._apply_faults(transfer, self._gather(transfer))
-            # Where the states are, before any copy: the worker checks the sequence from these.
-            stats = None if states is None else token_stats(states)
-        except Exception as exc:  # the worker must learn why its states never came
-            _write_error(transfer.path, f"gathering the states failed: {type(exc).__name__}: {exc}")
-            self._copies[transfer.request_id] = None
-            return
-        if states is None or stats is None:  # held back by a swap fault until its partner finishes
-            return
-        tokens = torch.tensor(transfer.token_ids, dtype=torch.int64)
-        if self._cache is not None and self._cache.is_cuda:
-            self._copy_and_write_async(transfer, states, stats, tokens)
-        else:
-            # The gathered rows are a tensor of their own already (an indexed copy of the cache): written as they are.
-            _write_states(transfer.path, states, tokens, stats, fail_with=self._write_fault(transfer))
-            self._copies[transfer.request_id] = None
-
-    def _copy_and_write_async(
-        self, transfer: StatesTransfer, states: torch.Tensor, stats: torch.Tensor, tokens: torch.Tensor
-    ) -> None:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        computed = torch.cuda.Event()
-        computed.record()  # the forward passes that wrote the cache and the statistics, on the current stream
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(computed)
-            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
-            host.copy_(states, non_blocking=True)
-            host_stats = torch.empty(stats.shape, dtype=stats.dtype, pin_memory=True)
-            host_stats.copy_(stats, non_blocking=True)
-            states.record_stream(self._stream)
-            stats.record_stream(self._stream)
-            copied = torch.cuda.Event()
-            copied.record(self._stream)
-        self._copies[transfer.request_id] = copied
-        assert self._pool is not None
-        fault = self._write_fault(transfer)
-
-        def write() -> None:
-            copied.synchronize()
-            _write_states(transfer.path, host, tokens, host_stats, fail_with=fault)
-
-        self._pool.submit(write)
+        """Gathered (`_gather`), altered by the test faults, then reduced and written (StatesSender.send)."""
+        assert self._sender is not None
+        self._sender.send(transfer, lambda t: self._apply_faults(t, self._gather(t)), self._write_fault)
 
     def _apply_faults(self, transfer: StatesTransfer, states: torch.Tensor) -> torch.Tensor | None:
         if not self._faults:
@@ -361,12 +291,12 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             if sample in pair:
                 partner = next(s for s in pair if s != sample)
                 if partner not in self._held:
-                    self._held[sample] = (transfer, states.clone())
-                    self._copies[transfer.request_id] = None
+                    self._held[sample] = (transfer, states.clone())  # its blocks released (StatesSender.send)
                     return None
                 other, other_states = self._held.pop(partner)
                 tokens = torch.tensor(other.token_ids, dtype=torch.int64)
-                _write_states(other.path, states.clone(), tokens, token_stats(states))
+                assert self._sender is not None
+                self._sender.write(other.path, states.clone(), tokens, token_stats(states))
                 return other_states
         return states
 
@@ -378,45 +308,14 @@ class HiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         return errno.ENOSPC
 
     def shutdown(self) -> None:
-        if self._cache is not None:  # the worker side
+        if self._sender is not None:  # the worker side
             log.info("hidden-states connector, tensor-parallel rank %d: wrote %d states file(s)", self._rank,
-                     _files_written)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+                     self._sender.files_written)
+            self._sender.close()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return "LBNHC"  # each token's K states together, as the gather above reads them
-
-
-# States files this process wrote (only tensor-parallel rank 0 writes any).
-_files_written = 0
-
-
-def _write_states(
-    path: str, states: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, *, fail_with: int = 0
-) -> None:
-    """The file appears whole or not at all; a failure leaves `<path>.ioerror` (the file system refused it: full,
-    failing) or `<path>.error` (anything else) with the reason. `fail_with`: an errno to fail with (test fault)."""
-    global _files_written
-    partial = f"{path}{PARTIAL_SUFFIX}"
-    try:
-        if fail_with:
-            raise OSError(fail_with, os.strerror(fail_with), partial)
-        save_states(partial, states, tokens, stats)
-        os.replace(partial, path)
-        _files_written += 1
-    except Exception as exc:
-        _write_error(path, f"writing {path} failed: {type(exc).__name__}: {exc}", io_error=_is_io_error(exc))
-        try:
-            os.unlink(partial)
-        except OSError:
-            pass
-
-
-def _is_io_error(exc: Exception) -> bool:
-    """An error of the file system (ENOSPC, EIO, ...): an OSError, or safetensors' error wrapping one."""
-    return isinstance(exc, OSError) or (type(exc).__name__ == "SafetensorError" and "I/O error" in str(exc))
 
 
 def _write_error(path: str, message: str, *, io_error: bool = False) -> None:
