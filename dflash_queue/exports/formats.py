@@ -197,13 +197,22 @@ class SpecForgeEagle3(ExportFormat):
         }
 
 
+# The draft vocabulary a speculators export names when none is asked for: EAGLE-3's usual 32,000, or the number of
+# distinct tokens the data supervises when it is smaller (a draft token never supervised is never learned, and
+# speculators' mapping would fill the rest with arbitrary low ids; it also keeps the size within a small target's).
+DEFAULT_DRAFT_VOCAB_SIZE = 32_000
+
+
 class Speculators(ExportFormat):
     name, layer_convention, layer_ids_key = "speculators", VLLM_AUX_LAYER, "target_layer_ids"
     shuffled = True
     subdir = "hidden_states"
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, draft_vocab_size: int | None = None) -> None:
+        if draft_vocab_size is not None and draft_vocab_size < 1:
+            raise ValueError(f"draft vocabulary size {draft_vocab_size}: expected a positive number of tokens")
         self.method = method
+        self.draft_vocab_size = draft_vocab_size
 
     def select(self, layers: StoredLayers) -> Selection:
         context = _require_context(layers, f"speculators' {self.method} trainer")
@@ -253,6 +262,16 @@ class Speculators(ExportFormat):
             ],
         }
 
+    def vocabulary_fields(self, token_freq_path: str, supervised_tokens: int) -> dict[str, Any]:
+        """The draft vocabulary's trainer fields, once the export has counted the supervised tokens: the counts'
+        file and the draft's size (without `--draft-vocab-size` speculators ignores the counts)."""
+        size = self.draft_vocab_size or max(1, min(DEFAULT_DRAFT_VOCAB_SIZE, supervised_tokens))
+        return {
+            "token_freq_path": token_freq_path,
+            "draft_vocab_size": size,
+            "arguments": ["--token-freq-path", token_freq_path, "--draft-vocab-size", str(size)],
+        }
+
 
 def _torch_save(tensors: dict[str, torch.Tensor]) -> bytes:
     buffer = io.BytesIO()
@@ -263,11 +282,13 @@ def _torch_save(tensors: dict[str, torch.Tensor]) -> bytes:
 FORMAT_NAMES = ("specforge", "speculators")
 
 
-def export_format(name: str, method: str = "dflash") -> ExportFormat:
+def export_format(name: str, method: str = "dflash", *, draft_vocab_size: int | None = None) -> ExportFormat:
+    """`draft_vocab_size`: speculators' draft vocabulary (default: DEFAULT_DRAFT_VOCAB_SIZE, or the number of
+    distinct supervised tokens when fewer)."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {list(METHODS)}")
     if name == "specforge":
         return SpecForgeEagle3() if method == "eagle3" else SpecForgeDFlash()
     if name == "speculators":
-        return Speculators(method)
+        return Speculators(method, draft_vocab_size)
     raise ValueError(f"unknown export format {name!r}; expected one of {list(FORMAT_NAMES)}")

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from dflash_queue.exports.formats import ExportFormat, Speculators, StoredLayers
-from dflash_queue.exports.speculators_table import SpeculatorsTable
+from dflash_queue.exports.speculators_table import TOKEN_FREQ, SpeculatorsTable
 from dflash_queue.shards.layer_conventions import DECODER_LAYER_OUTPUT, checked_layer_ids
 from dflash_queue.shards.suspect_lookup import SuspectShardError
 from dflash_queue.storage.base import Storage
@@ -157,6 +157,10 @@ def export_dataset(
             index_file.flush()
             out.write_file(INDEX, Path(index_file.name))
         extra_files = table.finish(out) if table is not None else []
+        if table is not None and isinstance(export_format, Speculators):
+            vocabulary = export_format.vocabulary_fields(f"{out.url.rstrip('/')}/{TOKEN_FREQ}", len(table.token_freq))
+            report.trainer["arguments"] = [*report.trainer["arguments"], *vocabulary.pop("arguments")]
+            report.trainer.update(vocabulary)
     finally:
         if table is not None:
             table.close()

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from dflash_queue.exports import ExportRefused, LayerConventionError, convert_layer_ids, export_dataset, export_format
-from dflash_queue.exports.formats import StoredLayers
+from dflash_queue.exports.formats import Speculators, StoredLayers
 from dflash_queue.shards.training import TrainingShard
 from dflash_queue.storage import LocalStorage
 from dflash_queue.training import ShardDataset
@@ -82,6 +82,34 @@ def test_speculators_files_hold_the_layers_then_the_last_layer_before_the_norm(p
         assert torch.equal(saved["token_ids"], original.input_ids.long())
         assert torch.equal(saved["hidden_states"], original.hidden_states[:, [0, 1, 2, 3]].to(torch.bfloat16))
         assert metadata["sample_id"] == row["sample_id"] and json.loads(metadata["aux_layer_ids"]) == [2, 3, 4]
+
+
+def test_the_speculators_arguments_name_the_exported_token_counts_and_a_draft_vocabulary(peer_shards, tmp_path):
+    """export.json's arguments, as speculators' own parser reads them: the exported token_freq.pt and a draft
+    vocabulary of the distinct supervised tokens (fewer than 32,000 here), or the size asked for."""
+    from speculators.train.config.resolution import build_parser
+
+    root = peer_shards["bfloat16"].storage.url
+    _, _, manifest, _ = export(root, "speculators", tmp_path / "out")
+    frequencies = torch.load(tmp_path / "out" / "token_freq.pt", weights_only=True)
+    supervised = {int(t) for s in originals(root).values() for t in s.input_ids[s.loss_mask.bool()]}
+    assert set(frequencies) == supervised and 1 < len(supervised) < 32_000
+    trainer = manifest["trainer"]
+    parsed = build_parser().parse_args(["--verifier-name-or-path", "verifier", "--data-path", str(tmp_path / "out"),
+                                        *trainer["arguments"]])
+    assert parsed.token_freq_path == trainer["token_freq_path"] == str(tmp_path / "out" / "token_freq.pt")
+    assert parsed.draft_vocab_size == trainer["draft_vocab_size"] == len(supervised)
+    assert parsed.speculator_type == "dflash" and parsed.target_layer_ids == [2, 3, 4] and parsed.on_missing == "raise"
+
+    dataset = ShardDataset(root)
+    export_dataset(dataset, export_format("speculators", "eagle3", draft_vocab_size=50), LocalStorage(tmp_path / "b"),
+                   source=root)
+    asked = json.loads((tmp_path / "b" / "export.json").read_text())["trainer"]
+    assert build_parser().parse_args(["--verifier-name-or-path", "v", *asked["arguments"]]).draft_vocab_size == 50
+    # A dataset supervising more distinct tokens than a draft vocabulary holds gets the usual 32,000.
+    assert Speculators("dflash").vocabulary_fields("t.pt", 150_000)["draft_vocab_size"] == 32_000
+    with pytest.raises(ValueError, match="draft vocabulary size 0"):
+        export_format("speculators", draft_vocab_size=0)
 
 
 def test_exported_layer_ids_select_what_each_trainer_means(peer_shards, tiny_family, tmp_path):

@@ -61,6 +61,11 @@ def test_speculators_train_command_trains_on_the_export_with_every_tensor_from_t
     ]
     built = run_speculators_train(arguments, monkeypatch)
     assert math.isfinite(built["loss"])
+    # The export's draft vocabulary: every supervised token it counted, mapped from the exported token_freq.pt.
+    frequencies = torch.load(tmp_path / "export" / "token_freq.pt", weights_only=True)
+    assert manifest["trainer"]["draft_vocab_size"] == len(frequencies) < built["model"].verifier_vocab_size
+    assert built["model"].t2d.nonzero().flatten().tolist() == sorted(frequencies)
+    assert (tmp_path / "export" / f"d2t-{len(frequencies)}.npy").is_file()
     samples = shard_samples(root)
     train, val = built["train"].dataset, built["val"].dataset
     assert len(train) + len(val) == len(index) == 12
