@@ -136,13 +136,13 @@ class Producer:
         manifest_stored = self.storage.exists(MANIFEST_KEY)
         if manifest_stored:
             stored = RunIdentity.from_json(self.storage.read_bytes(MANIFEST_KEY))
-            if stored.fingerprint != mine.fingerprint:
+            if stored.made_otherwise(mine):
                 raise storage_mismatch(stored, mine)
         recorded_text = self.ledger.claim_identity(mine.to_json())
         restarted: list[str] = []
         if recorded_text is not None:
             recorded = RunIdentity.from_json(recorded_text)
-            if recorded.fingerprint != mine.fingerprint or recorded.storage != mine.storage:
+            if recorded.made_otherwise(mine) or recorded.storage != mine.storage:
                 if not rebuild:
                     raise broker_mismatch(self.config.run.name, recorded, mine)
                 restarted = recorded.differences(mine)

@@ -20,6 +20,7 @@ from pydantic import Field, ValidationError
 
 from dflash_queue.config.sections import Section
 from dflash_queue.data.config import DatasetConfig
+from dflash_queue.engines.checkpoint_digest import weights_digest
 from dflash_queue.engines.config import (
     ExtractVllmConfig,
     GenerateConfig,
@@ -90,18 +91,28 @@ class Config(Section):
         return Path(self.storage.uploader.staging_dir or Path(self.run.state_dir) / "staging")
 
     def fingerprint(self) -> str:
-        """A short hash of everything that changes what a task writes (`output_settings`).
+        """A short hash of everything that changes what a task writes (`output_settings`) but the weights' digest.
 
         Workers refuse messages whose fingerprint differs from their own, so a node started with another
         model or other sampling settings cannot mix its output into the run. Paths and URLs are left out:
-        they differ between nodes of one run.
+        they differ between nodes of one run. So is `model.weights`: nodes without the weights take part in a run
+        (a generate worker of inference servers, a producer with the model's config and tokenizer only), and a
+        checkpoint's weights are compared where they are read, in the run's identity (runstate/run_identity.py).
         """
-        blob = json.dumps(self.output_settings(), sort_keys=True).encode()
+        blob = json.dumps(self._fingerprinted_settings(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def output_settings(self) -> dict[str, Any]:
-        """Everything that changes what a task writes, by section: what the fingerprint hashes, and what a run
-        compares to say how two configurations differ."""
+        """Everything that changes what a task writes, by section: what the fingerprint hashes, plus
+        `model.weights` (a digest of the checkpoint's safetensors files, engines/checkpoint_digest.py) where
+        model.path holds them; what a run records and compares to say how two configurations differ."""
+        settings = self._fingerprinted_settings()
+        weights = weights_digest(self.model.path)
+        if weights is not None:
+            settings["model"]["weights"] = weights
+        return settings
+
+    def _fingerprinted_settings(self) -> dict[str, Any]:
         return {
             "model": {"name": self.model.display_name, "config": _model_config_digest(self.model.path)},
             "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes", "staging_processes"}),

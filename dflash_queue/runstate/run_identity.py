@@ -6,6 +6,11 @@ shard "done" and send nothing, and a storage location written with other samplin
 So the producer records, before it stages anything, the run's identity (the config's output settings, whose hash
 is the fingerprint, and the storage location) in the broker and the settings in the storage root, and refuses to
 go on when either was made with something else, saying what differs.
+
+The output settings hold the digest of the checkpoint's weights (`model.weights`) where the node has them; the
+fingerprint leaves it out, since nodes without the weights take part in a run. So an identity is made otherwise
+when its fingerprint differs, or its weights where both sides know theirs: a run recorded by a node without the
+weights (or before the digest was recorded) is compared on the rest.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dflash_queue.errors import ConfigError
 MANIFEST_KEY = "dflash-queue-run.json"
 # How the sections of `Config.output_settings` are named in a config file.
 SECTION_NAMES = {"sampling": "generate.sampling"}
+# The weights' digest, which only a node holding the checkpoint knows (absent elsewhere).
+WEIGHTS = "model.weights"
 
 
 class OutputSettings(Protocol):
@@ -48,6 +55,18 @@ class RunIdentity:
     def model(self) -> str:
         return str(self.settings.get("model", {}).get("name", "?"))
 
+    @property
+    def weights(self) -> str | None:
+        """The digest of the checkpoint's weights; None where they were not read (a node without them, or a
+        record older than the digest)."""
+        return self.settings.get("model", {}).get("weights")
+
+    def made_otherwise(self, mine: RunIdentity) -> bool:
+        """Whether output made with this identity is other than `mine`'s: another fingerprint, or other weights
+        where both know theirs (the storage location aside)."""
+        weights_known = self.weights is not None and mine.weights is not None
+        return self.fingerprint != mine.fingerprint or (weights_known and self.weights != mine.weights)
+
     def to_json(self) -> str:
         return json.dumps(
             {"fingerprint": self.fingerprint, "settings": self.settings, "storage": self.storage}, sort_keys=True
@@ -61,7 +80,7 @@ class RunIdentity:
     def differences(self, mine: RunIdentity, *, storage: bool = True) -> list[str]:
         """`key: theirs; yours: mine` for every setting that differs (storage too, unless told not to)."""
         found = [
-            f"{key}: {_show(theirs)}; yours: {_show(yours)}"
+            f"{key}: {_show(theirs, key)}; yours: {_show(yours, key)}"
             for key, theirs, yours in _differing(_flatten(self.settings), _flatten(mine.settings))
         ]
         if not found and self.fingerprint != mine.fingerprint:
@@ -108,15 +127,34 @@ def _made_with(identity: RunIdentity, other: RunIdentity) -> str:
         differing = _differing(_flatten(identity.settings), _flatten(other.settings))
         if differing and differing[0][0] != "model.name":
             key, value, _ = differing[0]
-            words += f" and {key} = {_show(value)}"
+            words += f" and {key} = {_show(value, key)}"
         elif not differing and identity.storage != other.storage:
             words += f" into {identity.storage}"
     return words
 
 
-def _differing(theirs: dict[str, Any], yours: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def setting_differences(
+    theirs: RunIdentity, yours: RunIdentity, *, besides: str = "", weights_known: bool = False, label: str = "yours"
+) -> list[str]:
+    """`key: theirs; LABEL: yours` for every output setting that differs, but those whose names start with `besides`
+    (e.g. "extract."). `weights_known`: the weights differ also where only `theirs` knows them (output checked
+    against a checkpoint that must be read now), not only where both do."""
+    differing = _differing(_flatten(theirs.settings), _flatten(yours.settings), weights_known=weights_known)
+    return [
+        f"{key}: {_show(old, key)}; {label}: {_show(new, key)}"
+        for key, old, new in differing
+        if not (besides and key.startswith(besides))
+    ]
+
+
+def _differing(
+    theirs: dict[str, Any], yours: dict[str, Any], *, weights_known: bool = False
+) -> list[tuple[str, Any, Any]]:
     keys = sorted(set(theirs) | set(yours), key=lambda k: (k != "model.name", k))
-    return [(key, theirs.get(key), yours.get(key)) for key in keys if theirs.get(key) != yours.get(key)]
+    found = [(key, theirs.get(key), yours.get(key)) for key in keys if theirs.get(key) != yours.get(key)]
+    if theirs.get(WEIGHTS) is None or (yours.get(WEIGHTS) is None and not weights_known):
+        found = [item for item in found if item[0] != WEIGHTS]
+    return found
 
 
 def _flatten(settings: dict[str, Any]) -> dict[str, Any]:
@@ -131,5 +169,7 @@ def _flatten(settings: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def _show(value: Any) -> str:
-    return "(unset)" if value is None else json.dumps(value)
+def _show(value: Any, key: str = "") -> str:
+    if value is None:
+        return "(no safetensors weights in model.path)" if key == WEIGHTS else "(unset)"
+    return json.dumps(value)

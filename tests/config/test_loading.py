@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from dflash_queue.config import BROKER_URL_ENV, STORAGE_URL_ENV, load_config
+from dflash_queue.engines.checkpoint_digest import weights_digest
 from dflash_queue.errors import ConfigError
+from dfq_testing.checkpoints import fine_tune
 from dfq_testing.configs import to_toml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,6 +170,23 @@ def test_fingerprint_tracks_output_settings_not_locations(tmp_path, model_dir):
     assert hotter.fingerprint() != original
     (model_dir / "config.json").write_text('{"num_hidden_layers": 8}')
     assert load_config(write(tmp_path, base(model_dir)), env={}).fingerprint() != original
+
+
+def test_the_weights_enter_the_output_settings_not_the_fingerprint(tmp_path, tiny_model):
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    path = write(tmp_path, {**base(model), "model": {"path": str(model), "name": "tiny"}})
+    before = load_config(path, env={})
+    weights = before.output_settings()["model"]["weights"]
+    assert weights == weights_digest(model)
+
+    fine_tune(model)  # another checkpoint behind the same path, name and config.json
+    after = load_config(path, env={})
+    assert after.output_settings()["model"]["weights"] != weights
+    # Nodes without the weights share the run's fingerprint: it is the same whatever the weights.
+    assert after.fingerprint() == before.fingerprint()
+    weightless = shutil.copytree(model, tmp_path / "weightless", ignore=shutil.ignore_patterns("*.safetensors"))
+    without = load_config(write(tmp_path, {**base(weightless), "model": {"path": str(weightless), "name": "tiny"}}))
+    assert "weights" not in without.output_settings()["model"] and without.fingerprint() == before.fingerprint()
 
 
 def test_shipped_configs_parse(tmp_path):

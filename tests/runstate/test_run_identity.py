@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, RunMismatch
 from dflash_queue.shards.keys import shard_key
 from dflash_queue.storage import open_storage
+from dfq_testing.checkpoints import fine_tune
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -73,6 +75,33 @@ def test_a_rerun_under_one_run_name_with_other_settings_is_refused_and_says_what
     assert ("Only extract settings differ: `dflash-queue reextract" in message) == (change == "layers")
     assert queued(redis_url) == 7  # nothing more was sent
     assert not (tmp_path / "storage-2" / "prompts").exists()  # and nothing staged
+
+
+def test_another_checkpoint_behind_the_same_path_is_refused_and_a_node_without_the_weights_is_not(
+    make_config, redis_url, tiny_model, tmp_path
+):
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    at_model = {"model": {"path": str(model), "name": "tiny-qwen3"}}
+    first = make_config(**at_model)
+    assert enqueue(first).enqueued == 7
+    fine_tune(model)  # the same config.json, name and tokenizer; other weights behind model.path
+
+    with pytest.raises(RunMismatch) as refused:
+        enqueue(make_config("again.toml", **at_model))
+    message = str(refused.value)
+    assert message.startswith(f"storage {first.storage.url} holds output made with model tiny-qwen3 and model.weights")
+    assert re.search(r'\n  model\.weights: "[0-9a-f]{16}"; yours: "[0-9a-f]{16}"$', message), message
+    with pytest.raises(RunMismatch) as refused:
+        enqueue(make_config("elsewhere.toml", **at_model, storage={"url": str(tmp_path / "storage-2")}))
+    message = str(refused.value)
+    assert message.startswith("this broker's run `test` was made with model tiny-qwen3 and model.weights")
+    assert re.search(r'\n  model\.weights: "[0-9a-f]{16}"; yours: "[0-9a-f]{16}"\n', message), message
+    assert queued(redis_url) == 7
+
+    # A node with the config and tokenizer only has no weights to compare: the rest decides, and is the same.
+    weightless = shutil.copytree(model, tmp_path / "weightless", ignore=shutil.ignore_patterns("*.safetensors"))
+    again = enqueue(make_config("weightless.toml", model={"path": str(weightless), "name": "tiny-qwen3"}))
+    assert again.enqueued == 0 and again.skipped_queued == 7 and again.restarted == []
 
 
 def test_an_unchanged_rerun_is_accepted_and_skips_everything(make_config, redis_url):
