@@ -12,7 +12,9 @@ run's training shards while it extracts, what they acknowledged, and the epochs.
   what shows the shard stored or consumed is in storage (the training file, or the record a deleted one leaves):
   a second delivery of a shard's task that takes a place anew looks again, and gives it back at once if so.
   A shard every registered consumer has acknowledged takes no place when it is extracted again (a requeued or
-  suspect shard's redo): no consumer would read it, so the place would never be given back.
+  suspect shard's redo): no consumer would read it, so the place would never be given back. Nor does a shard of an
+  epoch every registered consumer has left (each of its ranks seen in a later epoch, or finished): a shard that
+  failed for good, left out of its epoch and requeued after it, is stored, but no rank reads it there.
 * A suspect shard (runstate/audits.py) is not read until it is extracted again. The rank whose shard it is gives
   its place back (`live.LiveShards`), so that suspect shards never fill the window while they wait; its
   re-extraction takes a place anew, and keeps the shard's first position in the store order (the same rank serves
@@ -168,6 +170,8 @@ class ShardWindow:
                 if unsettled:
                     found[name] = f"epoch {epoch}: {len(unsettled)} of {len(shards)} shards not extracted yet"
                     break
+                if self.left_epoch(name, epoch):  # what is stored there since (a requeued shard) is not read
+                    continue
                 acknowledged = self.acknowledged(name, epoch)
                 unread = [s for s in shards if states.get(s) == DONE and s not in acknowledged]
                 held = self.places_held(epoch, list(shards))
@@ -179,6 +183,20 @@ class ShardWindow:
                 if len(finished) < world_size:
                     found[name] = f"{len(finished)} of {world_size} ranks finished"
         return found
+
+    def left_epoch(self, consumer: str, epoch: int) -> bool:
+        """Whether every rank of the consumer has left `epoch`: seen in a later one, or finished its last epoch (one
+        at or after `epoch`). A rank leaves an epoch once its shards of it are consumed and the rest stored or failed
+        for good, so a shard of the epoch stored after that (a failed one requeued) is read by none of them."""
+        fields = self.consumers().get(consumer)
+        if fields is None:
+            return False
+        seen = self.ranks_seen(consumer)
+        finished = self.ranks_finished(consumer) if epoch < self.epochs_wanted().get(consumer, 0) else set()
+        return all(
+            rank in finished or int(seen.get(rank, {}).get("epoch", -1)) > epoch
+            for rank in range(int(fields.get("world_size", 1)))
+        )
 
     def seen(self, consumer: str, rank: int, epoch: int) -> None:
         """A rank's heartbeat: when it last looked for shards, and in which epoch."""
@@ -212,12 +230,14 @@ class ShardWindow:
         """A place in a window of `size` for the shard: TAKEN (it had none), HELD (it already holds one: another
         delivery of its task took it), or 0 when the window is full. A shard every registered consumer has
         acknowledged (extracted again after they read it) is answered TAKEN without a place: none would be given
-        back, as no consumer reads it again; the caller's second look (is it stored?) stays as it was."""
+        back, as no consumer reads it again; the caller's second look (is it stored?) stays as it was. So is a shard of
+        an epoch every registered consumer has left (`left_epoch`), and a place it holds is given back."""
         consumers = list(self.client.hkeys(self.consumers_key))
         acknowledged = [self.keys.acknowledged(name, epoch) for name in consumers]
+        left = bool(consumers) and all(self.left_epoch(name, epoch) for name in consumers)
         return int(self.client.eval(
             _TAKE_PLACE, 2 + len(acknowledged), self.window_key, self.consumers_key, *acknowledged,
-            self._place(epoch, shard_id), size, shard_id,
+            self._place(epoch, shard_id), size, shard_id, int(left),
         ))
 
     def give_back_place(self, epoch: int, shard_id: str) -> None:
@@ -276,8 +296,12 @@ return 1
 
 # KEYS: window, consumers hash, each registered consumer's acknowledged set of the epoch (as read just before: a
 # consumer registered since makes the count differ, and the shard takes a place as any other).
-# ARGV: place, window size, shard id.
+# ARGV: place, window size, shard id, 1 when every consumer read just before has left the epoch.
 _TAKE_PLACE = """
+if ARGV[4] == '1' and redis.call('HLEN', KEYS[2]) == #KEYS - 2 then
+  redis.call('SREM', KEYS[1], ARGV[1])
+  return 2
+end
 if redis.call('SISMEMBER', KEYS[1], ARGV[1]) == 1 then return 1 end
 if #KEYS > 2 and redis.call('HLEN', KEYS[2]) == #KEYS - 2 then
   local everyone = true
