@@ -266,6 +266,21 @@ class ServerConfig(Section):
     each failure, up to backoff_max_s."""
     backoff_max_s: PositiveFloat = 30.0
     """Longest wait between probes of a down server (and between tries of a request)."""
+    recheck_interval_s: Annotated[float, Field(ge=0)] = 300.0
+    """How often each server in use is checked again as at start (the model it serves, its context, its tokenizer,
+    its weights' fingerprint): a server restarted behind the same URL or a balancer with other weights is refused
+    within this long. A server is also checked again after any broken connection and after it was down. 0: no
+    periodic checks."""
+    fingerprint_tolerance: PositiveFloat = 0.1
+    """How far (in nats) a server's logprobs for the weights probe (a fixed greedy request: its token ids and their
+    logprobs) may lie from those the run recorded first and still count as the same weights: room for batch and
+    kernel noise between identical servers (bfloat16), not for another checkpoint. A server beyond it is refused,
+    naming the token where it differs; `doctor` shows how far each server lies from the first."""
+    breaker_failures: PositiveInt = 5
+    """Failed requests in a row (a 5xx, a timeout, a reply without token ids) on a server whose health check passes
+    that open its breaker: the server counts as down for a backoff (backoff_initial_s, doubling while it keeps
+    failing), its requests go to the other servers or wait, and the failures that opened it are not counted
+    against max_tries. Then a check and one trial request close it again."""
 
     @field_validator("urls")
     @classmethod

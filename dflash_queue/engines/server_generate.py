@@ -6,10 +6,12 @@ setting carried as the in-process engines carry them. Requests spread over the s
 their outages (engines/server_pool.py); several task threads share the one event loop, so the servers stay full
 across task boundaries.
 
-At start each server is checked to serve the target: the model name, a context at least as long as staging
-admits, a probe text's token ids equal to the local tokenizer's (through its tokenize endpoint, where it has
-one), replies that carry token ids, and per-request seeds honoured when sampling is random. A server that fails
-is refused, saying why; the worker refuses to start when no server passes.
+At start each server is checked to serve the target (engines/server_admission.py): the model name, a context at
+least as long as staging admits, a probe text's token ids equal to the local tokenizer's (through its tokenize
+endpoint, where it has one), replies that carry token ids, per-request seeds honoured when sampling is random, and
+the run's weights (the weights probe's fingerprint, recorded with the run by the first worker that sees one). A
+server that fails is refused, saying why; the worker refuses to start when no server passes. The same check runs
+again after an outage, after a broken connection and every `recheck_interval_s`.
 """
 
 from __future__ import annotations
@@ -18,43 +20,24 @@ import asyncio
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from transformers import AutoTokenizer
 
 from dflash_queue.engines.base import Generation, GenerationRequest
 from dflash_queue.engines.config import SamplingConfig, ServerConfig
 from dflash_queue.engines.loop_thread import EventLoopThread
+from dflash_queue.engines.server_admission import Admission, ServedTarget
+from dflash_queue.engines.server_fingerprint import FingerprintRecord, WeightsReference
 from dflash_queue.engines.server_pool import Outage, RequestFailed, RequestRejected, Server, ServerPool
-from dflash_queue.engines.server_protocols import PROTOCOLS, GenerationParams, ReplyError, ServedModel
+from dflash_queue.engines.server_protocols import PROTOCOLS, GenerationParams
 from dflash_queue.engines.vllm_generate import request_seed
 from dflash_queue.errors import ConfigError, EngineUnavailable, GenerationRejected, SampleDependentError
 
 log = logging.getLogger(__name__)
 
-# The identity probe: a conversation through the target's own chat template (its special tokens, the thinking
-# markers), with text whose tokenisation differs between vocabularies.
-PROBE_MESSAGES = (
-    {"role": "system", "content": "You check that a server runs the right tokenizer."},
-    {
-        "role": "user",
-        "content": "Probe 0: 12 345 6789 -1.5e-3, ünïcödé ÄÖÜß, 漢字かなカナ, emoji 🙂🚀, tabs\tand  double  spaces,\n"
-        "new lines\n\n\nand code `x = {'a': [1, 2]}`; http://example.com/a?b=c",
-    },
-)
 # Results of a batch that failed for some of its samples, kept for the lane's retry of the rest (poison
 # isolation runs the other samples again): at most this many.
 KEPT_RESULTS = 4096
-
-
-@dataclass(frozen=True)
-class ServedTarget:
-    """What the servers must serve: the model name they answer to, the tokenizer the worker renders prompts
-    with, and the context the job's sequences need (dataset.max_model_len, else the model's own)."""
-
-    model: str
-    tokenizer_path: str
-    context_len: int
 
 
 class ServerRejectedSample(GenerationRejected):
@@ -69,19 +52,24 @@ class ServerGenerateEngine:
     name = "server"
 
     def __init__(
-        self, settings: ServerConfig, sampling: SamplingConfig, target: ServedTarget, *, source: str = "<memory>"
+        self, settings: ServerConfig, sampling: SamplingConfig, target: ServedTarget, *, source: str = "<memory>",
+        served_weights: FingerprintRecord | None = None,
     ) -> None:
+        """`served_weights`: where the run records its servers' weights fingerprint (the first this engine sees,
+        unless one is recorded); without it, the first server's is the one the others must match."""
         self.settings = settings
         self.sampling = sampling
         self.target = target
         self.source = source
         self.protocol = PROTOCOLS[settings.kind]
-        tokenizer = AutoTokenizer.from_pretrained(target.tokenizer_path)
-        self.probe_text = probe_text(tokenizer)
-        self.probe_ids: list[int] = tokenizer.encode(self.probe_text, add_special_tokens=False)
         self._kept: dict[tuple, Generation] = {}
         # Request ids unique to this engine: two workers never send the same one.
         self._ids = f"dfq-{os.urandom(4).hex()}"
+        self.weights = WeightsReference(served_weights, settings.fingerprint_tolerance)
+        self.admission = Admission(
+            self.protocol, target, sampling, AutoTokenizer.from_pretrained(target.tokenizer_path), self.weights,
+            self._ids,
+        )
         self._loop = EventLoopThread("server-engine-loop")
         try:
             self._pool: ServerPool = self._loop.run(self._start(self._api_key()))
@@ -97,7 +85,7 @@ class ServerGenerateEngine:
             raise ConfigError(f"{self.source}: {exc}") from None
 
     async def _start(self, api_key: str | None) -> ServerPool:
-        pool = ServerPool(self.settings, self.protocol, self._admit, api_key)
+        pool = ServerPool(self.settings, self.protocol, self.admission, api_key)
         up = await pool.start()
         if up:
             log.info(
@@ -113,39 +101,6 @@ class ServerGenerateEngine:
         raise ConfigError(
             f"{self.source}: no inference server can serve {self.target.model} (generate.server.urls):\n{reasons}"
         )
-
-    async def _admit(self, pool: ServerPool, server: Server) -> str:
-        """Why the server may not serve this job ("" when it may): the model it serves, its context, its
-        tokenizer, its seeds, and a one-token generation of the probe that must come back as token ids."""
-
-        async def fetch(method: str, path: str, body: object) -> tuple[int, object]:
-            status, answer = await pool.call(server, method, path, body, timeout=pool.settings.connect_timeout_s * 6)
-            if status in (401, 403):
-                pool.classify(status, answer)  # raises ServerDown: the key is refused
-            return status, answer
-
-        try:
-            served = await self.protocol.served_model(fetch, self.target.model, self.probe_text)
-        except ReplyError as exc:
-            return str(exc)
-        problems = identity_problems(served, self.target, self.probe_ids, self.sampling)
-        if problems:
-            return "; ".join(problems)
-        params = GenerationParams(self.probe_ids, 1, 0, f"{self._ids}-probe-{server.sent}")
-        status, body = await pool.call(
-            server, "POST", self.protocol.generate_path,
-            self.protocol.generation_body(self.target.model, self.sampling, params),
-        )
-        if status != 200:
-            try:
-                return f"refuses a generation with these sampling settings: {pool.classify(status, body)}"
-            except RequestRejected as exc:
-                return f"refuses a generation with these sampling settings: {exc}"
-        try:
-            self.protocol.parse_generation(body, params)
-        except ReplyError as exc:
-            return f"cannot serve this job: {exc}"
-        return ""
 
     # -- GenerateEngine --------------------------------------------------------------------------------------
 
@@ -241,46 +196,6 @@ class ServerGenerateEngine:
             self._loop.run(self._pool.close(), timeout=30)
         finally:
             self._loop.stop(timeout=5)
-
-
-def identity_problems(
-    served: ServedModel, target: ServedTarget, probe_ids: list[int], sampling: SamplingConfig
-) -> list[str]:
-    """Why a server with this identity cannot serve the target (empty: it can)."""
-    problems = []
-    if target.model not in served.names:
-        problems.append(f"serves {', '.join(served.names) or 'no model'}, not {target.model} (generate.server.model)")
-    if served.context_len is None:
-        problems.append("does not say its context length (max_model_len from /v1/models or /tokenize)")
-    elif served.context_len < target.context_len:
-        problems.append(
-            f"its context is {served.context_len} tokens, shorter than the {target.context_len} the job's sequences "
-            "may take (dataset.max_model_len, else the model's own): longer samples would be refused"
-        )
-    if served.probe_ids is not None and served.probe_ids != probe_ids:
-        at = next((i for i, (a, b) in enumerate(zip(served.probe_ids, probe_ids)) if a != b),
-                  min(len(served.probe_ids), len(probe_ids)))
-        problems.append(
-            f"its tokenizer gives other token ids than the local one (model.tokenizer) for the probe text: from "
-            f"token {at} on, server {served.probe_ids[at:at + 4]}, local {probe_ids[at:at + 4]}"
-        )
-    if sampling.temperature > 0 and not served.seeded:
-        problems.append(
-            "it ignores per-request seeds, so a sample would not get the same reply twice (SGLang honours "
-            "sampling_seed only when started with --enable-deterministic-inference); or set "
-            "generate.sampling.temperature = 0"
-        )
-    return problems
-
-
-def probe_text(tokenizer) -> str:
-    """The identity probe's text: PROBE_MESSAGES through the chat template (thinking on), or their text alone
-    for a tokenizer without a template."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            list(PROBE_MESSAGES), tokenize=False, add_generation_prompt=True, enable_thinking=True
-        )
-    return "\n".join(m["content"] for m in PROBE_MESSAGES)
 
 
 def _key(request: GenerationRequest) -> tuple:

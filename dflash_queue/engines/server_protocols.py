@@ -17,6 +17,11 @@ explicitly, so a server's own defaults (a model's generation_config.json) never 
   the matched stop token in `output_ids`, as vLLM keeps it. GET /get_model_info gives `model_path`, GET
   /get_server_info the server's arguments (`enable_deterministic_inference`: SGLang honours a request's
   `sampling_seed` only then), POST /tokenize (`{"prompt", "add_special_tokens"}` -> `{"tokens", "max_model_len"}`).
+
+The weights probe (engines/server_fingerprint.py) is a greedy generation asking for logprobs: vLLM's and OpenAI's
+`logprobs: 2` (`choices[0].logprobs.token_logprobs` and `.top_logprobs`; vLLM names the tokens by id with
+`return_tokens_as_token_ids`), SGLang's `return_logprob` with `top_logprobs_num: 2` (`meta_info.output_token_logprobs`
+and `.output_top_logprobs`, entries `[logprob, token id, text]`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash_queue.engines.config import SamplingConfig, ServerKind
+from dflash_queue.engines.server_fingerprint import PROBE_TOP_LOGPROBS, ProbeToken
 
 # (HTTP status, decoded JSON body or None) of one call to a server.
 Fetch = Callable[[str, str, Any], Awaitable[tuple[int, Any]]]
@@ -78,6 +84,28 @@ class ServerProtocol:
 
     async def served_model(self, fetch: Fetch, model: str, probe: str) -> ServedModel:
         raise NotImplementedError
+
+    def fingerprint_body(self, model: str, params: GenerationParams) -> dict[str, Any]:
+        """The weights probe: a greedy generation of `params` asking for each token's logprob and the runner-up's."""
+        raise NotImplementedError
+
+    def parse_fingerprint(self, body: Any, params: GenerationParams) -> list[ProbeToken]:
+        raise NotImplementedError
+
+
+# The weights probe samples greedily, whatever the job samples with.
+GREEDY = SamplingConfig(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, stop=())
+
+
+def _logprob(value: Any, what: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ReplyError(f"the reply to the weights probe has no logprobs in {what}")
+    return float(value)
+
+
+def _runner_up(values: list[float]) -> float | None:
+    """The second largest of a position's top logprobs (the largest is the greedy token's)."""
+    return sorted(values, reverse=True)[1] if len(values) > 1 else None
 
 
 def _ids(value: Any, what: str) -> list[int]:
@@ -161,6 +189,25 @@ class OpenAICompletions(ServerProtocol):
         )
 
 
+    def fingerprint_body(self, model: str, params: GenerationParams) -> dict[str, Any]:
+        return {**self.generation_body(model, GREEDY, params), "logprobs": PROBE_TOP_LOGPROBS}
+
+    def parse_fingerprint(self, body: Any, params: GenerationParams) -> list[ProbeToken]:
+        ids = self.parse_generation(body, params).completion_ids
+        logprobs = body["choices"][0].get("logprobs")
+        if not isinstance(logprobs, dict):
+            raise ReplyError("the reply to the weights probe has no logprobs (choices[0].logprobs)")
+        chosen, tops = logprobs.get("token_logprobs"), logprobs.get("top_logprobs")
+        if not isinstance(chosen, list) or not isinstance(tops, list) or not len(chosen) == len(tops) == len(ids):
+            raise ReplyError("the reply to the weights probe has no logprob for each token (choices[0].logprobs)")
+        tokens = []
+        for position, (token_id, logprob, top) in enumerate(zip(ids, chosen, tops)):
+            where = f"choices[0].logprobs at token {position}"
+            values = [_logprob(v, where) for v in top.values()] if isinstance(top, dict) else []
+            tokens.append(ProbeToken(token_id, _logprob(logprob, where), _runner_up(values)))
+        return tokens
+
+
 class VllmCompletions(OpenAICompletions):
     """vLLM's OpenAI-compatible server: every sampling parameter the in-process vLLM engine sets."""
 
@@ -179,6 +226,10 @@ class VllmCompletions(OpenAICompletions):
             "skip_special_tokens": False,
             "request_id": params.request_id,
         }
+
+    def fingerprint_body(self, model: str, params: GenerationParams) -> dict[str, Any]:
+        # Tokens named by id: two tokens of one text stay two entries of top_logprobs.
+        return {**super().fingerprint_body(model, params), "return_tokens_as_token_ids": True}
 
 
 class SglangGenerate(ServerProtocol):
@@ -229,6 +280,26 @@ class SglangGenerate(ServerProtocol):
             detail = f" ({finish.get('message')})" if isinstance(finish, dict) and finish.get("message") else ""
             raise ReplyError(f"the generation ended with finish_reason={reason!r}{detail}")
         return Reply(completion, reason, str(body.get("text") or ""))
+
+    def fingerprint_body(self, model: str, params: GenerationParams) -> dict[str, Any]:
+        return {**self.generation_body(model, GREEDY, params), "return_logprob": True,
+                "top_logprobs_num": PROBE_TOP_LOGPROBS, "logprob_start_len": -1}
+
+    def parse_fingerprint(self, body: Any, params: GenerationParams) -> list[ProbeToken]:
+        ids = self.parse_generation(body, params).completion_ids
+        meta = (body[0] if isinstance(body, list) else body)["meta_info"]
+        chosen, tops = meta.get("output_token_logprobs"), meta.get("output_top_logprobs")
+        if not isinstance(chosen, list) or not isinstance(tops, list) or not len(chosen) == len(tops) == len(ids):
+            raise ReplyError("the reply to the weights probe has no logprob for each token "
+                             "(meta_info.output_token_logprobs, output_top_logprobs)")
+        tokens = []
+        for position, (token_id, entry, top) in enumerate(zip(ids, chosen, tops)):
+            where = f"meta_info.output_token_logprobs at token {position}"
+            if not isinstance(entry, list) or not entry or not isinstance(top, list):
+                raise ReplyError(f"the reply to the weights probe has no logprobs in {where}")
+            values = [_logprob(e[0], where) for e in top if isinstance(e, list) and e]
+            tokens.append(ProbeToken(token_id, _logprob(entry[0], where), _runner_up(values)))
+        return tokens
 
     async def served_model(self, fetch: Fetch, model: str, probe: str) -> ServedModel:
         status, info = await fetch("GET", "/get_model_info", None)

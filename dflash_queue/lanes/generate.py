@@ -27,6 +27,7 @@ from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.config import StorageConfig
 
 if TYPE_CHECKING:
+    from dflash_queue.engines.server_fingerprint import FingerprintRecord
     from dflash_queue.runstate.server_waits import OutageReporter
 
 
@@ -197,7 +198,16 @@ def generate_lane_settings(config: Config) -> GenerateLaneSettings:
 
 
 def build_generate_lane(config: Config, storage: Storage | None = None) -> GenerateLane:
-    lane = GenerateLane(generate_lane_settings(config), build_generate_engine(config), storage)
+    served_weights = None
+    if config.generate.engine == "server" and config.broker.url:
+        # Every worker's servers must run the weights the run's first one saw.
+        from dflash_queue.runstate.ledger import resilient_client
+        from dflash_queue.runstate.served_weights import ServedWeights
+
+        served_weights = ServedWeights(resilient_client(config.broker.connection_url()), config.run.name)
+    lane = GenerateLane(
+        generate_lane_settings(config), build_generate_engine(config, served_weights=served_weights), storage
+    )
     outage = getattr(lane.engine, "outage", None)
     if outage is not None and config.broker.url:
         # `status` shows a worker whose every inference server is down, and since when.
@@ -209,7 +219,9 @@ def build_generate_lane(config: Config, storage: Storage | None = None) -> Gener
     return lane
 
 
-def build_generate_engine(config: Config) -> GenerateEngine:
+def build_generate_engine(config: Config, *, served_weights: FingerprintRecord | None = None) -> GenerateEngine:
+    """The generate lane's engine; `served_weights`, for the inference-server engine, is where the run records its
+    servers' weights fingerprint (none: the engine's first server's is the reference, as doctor checks)."""
     if config.generate.engine == "transformers":
         from dflash_queue.engines.hf_generate import TransformersGenerateEngine
 
@@ -224,5 +236,7 @@ def build_generate_engine(config: Config) -> GenerateEngine:
         from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine
 
         target = ServedTarget(config.served_model_name, config.model.tokenizer_path, config.max_model_len())
-        return ServerGenerateEngine(config.generate.server, config.generate.sampling, target, source=config.source)
+        return ServerGenerateEngine(
+            config.generate.server, config.generate.sampling, target, source=config.source, served_weights=served_weights
+        )
     raise ValueError(f"unknown generate engine {config.generate.engine!r}")

@@ -74,6 +74,12 @@ class RunKeys:
         return f"{self.root}:identity"
 
     @property
+    def served_weights(self) -> str:
+        """String: the inference servers' weights fingerprint (served_weights.py), as the run's first generate
+        worker on them recorded it."""
+        return f"{self.root}:served_weights"
+
+    @property
     def delivery_prefix(self) -> str:
         return f"{self.root}:delivery:"
 

@@ -217,6 +217,7 @@ class Ledger:
             self.counted_key,
             self.maxima_key,
             self.identity_key,
+            self.keys.served_weights,  # servers with other weights may generate the run started over
             *buckets,
         )
 

@@ -90,10 +90,11 @@ def test_sglang_gets_the_prompt_ids_and_every_sampling_setting_and_its_ids_come_
             "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
             "skip_special_tokens": False, "no_stop_trim": True, "sampling_seed": seed, "n": 1,
         }
-        expected, finish, _ = _run(toy(request.prompt_ids, params, params["max_new_tokens"]))
+        expected = _run(toy(request.prompt_ids, params, params["max_new_tokens"]))
         assert generation.prompt_ids == request.prompt_ids
-        assert generation.completion_ids == expected  # the stop token included
-        assert generation.finish_reason == finish
+        assert generation.completion_ids == expected.ids  # the stop token included
+        assert generation.finish_reason == expected.finish
+        finish = expected.finish
         reasons.add(finish)
     assert reasons == {"stop", "length"}
     assert generations[0].completion_ids != generations[-1].completion_ids  # a retry is sampled afresh

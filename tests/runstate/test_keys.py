@@ -13,6 +13,7 @@ from dflash_queue.queue.liveness import Incarnation, Liveness
 from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.keys import RunKeys
 from dflash_queue.runstate.ledger import Ledger
+from dflash_queue.runstate.served_weights import ServedWeights
 from dflash_queue.runstate.server_waits import ServerWaits
 from dflash_queue.runstate.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.runstate.window import ShardWindow
@@ -33,6 +34,7 @@ RELEASED = {
     "counted": "dfq:r:counted",
     "maxima": "dfq:r:maxima",
     "identity": "dfq:r:identity",
+    "served_weights": "dfq:r:served_weights",
     "delivery_prefix": "dfq:r:delivery:",
     "delivery": ("dfq:r:delivery:task-1:2", "task-1", 2),
     "live_prefix": "dfq:r:live:",
@@ -89,6 +91,7 @@ def test_the_components_write_the_released_keys(redis_url):
     ledger.add_once("token", {"samples": 4}, now=472222 * 60.0)
     ledger.record_max("canary", 0.5)
     ledger.claim_identity("{}")
+    ServedWeights(client, "r").claim("{}")
     ledger.count_delivery("task-1", 2)
     window = ShardWindow(client, "r")
     window.seal_epoch(3, {"s1": 4})
