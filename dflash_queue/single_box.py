@@ -20,6 +20,7 @@ from dflash_queue.producer import Producer
 from dflash_queue.prompt_staging import EnqueueReport, checked_formatter
 from dflash_queue.quality.gate import gate_summary
 from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.child_guard import BROKER, WORKER, ChildGuard
 from dflash_queue.queue.launcher import WorkerProcess
 from dflash_queue.queue.maintenance import restore_unacked
 from dflash_queue.queue.messages import messages_in
@@ -29,6 +30,7 @@ from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.keys import SHARDS, stored_shard_ids
+from dflash_queue.stop_signals import stopped_by_signals
 
 
 class RunFailed(RuntimeError):
@@ -107,12 +109,13 @@ class RunSummary:
 
 
 def stop_workers(workers: list[WorkerProcess], console: Console, timeout: float) -> None:
-    """Warm shutdown (running tasks finish); a second Ctrl-C kills them, and their tasks are requeued."""
+    """Warm shutdown (running tasks finish); a second Ctrl-C (or SIGTERM, SIGHUP) kills them, and their tasks are
+    requeued."""
     for worker in workers:
         worker.terminate()
     try:
         if any(worker.alive() for worker in workers):
-            console.print("stopping workers: running tasks finish first (Ctrl-C again to stop at once)")
+            console.print("stopping workers: running tasks finish first (Ctrl-C, or the same signal, again stops at once)")
         for worker in workers:
             worker.stop(timeout=timeout)
     except KeyboardInterrupt:
@@ -167,7 +170,26 @@ def run_single_box(
 ) -> RunSummary:
     """`rebuild`: see `Producer.enqueue` (storage alone decides what is done; a run name made with another
     config is started over). `reextract_from`: instead of enqueueing `datasets`, extract that job's stored
-    completions again with this config's extract settings (dflash_queue/reextraction.py): no generate worker."""
+    completions again with this config's extract settings (dflash_queue/reextraction.py): no generate worker.
+
+    SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (stop_signals.py): StopRequested is raised once the workers
+    and the broker have stopped. Should this process die without stopping them (SIGKILL, a crash), a guard process
+    stops them (queue/child_guard.py)."""
+    with stopped_by_signals():
+        return _run_single_box(config_path, config, datasets, console=console, poll_s=poll_s, rebuild=rebuild,
+                               reextract_from=reextract_from)
+
+
+def _run_single_box(
+    config_path: Path,
+    config: Config,
+    datasets: list[Path],
+    *,
+    console: Console | None,
+    poll_s: float,
+    rebuild: bool,
+    reextract_from: Config | None,
+) -> RunSummary:
     if reextract_from is not None:
         check_reextraction(reextract_from, config)
     console = console or Console(stderr=True, soft_wrap=True)
@@ -178,6 +200,8 @@ def run_single_box(
     with ExitStack() as stack:
         # One run per state directory, held until everything below has stopped (the broker last).
         lock = stack.enter_context(RunLock(state_dir, config.run.name))
+        # Closed after everything below has stopped; stops what is left running if this process dies first.
+        guard = stack.enter_context(ChildGuard(state_dir / "logs" / "guard.log"))
         if lock.stopped_leftovers:
             console.print(
                 f"took over {state_dir} from a run that was killed ({lock.previous.describe() if lock.previous else '?'}"
@@ -188,6 +212,7 @@ def run_single_box(
             stack.callback(server.stop)
             assert server.process is not None
             lock.record_child("redis-server", server.process.pid)
+            guard.watch("redis-server", server.process.pid, role=BROKER)
             # status, dead and verify find it there while the run is up (and its data after: broker/run_broker.py)
             record_url(server.directory, server.url)
             stack.callback(forget_url, server.directory)
@@ -211,10 +236,12 @@ def run_single_box(
         lanes = [FINAL_LANE.name] if reextract_from is not None else [spec.name for spec in PIPELINE]
         if AUDIT.in_use(config):
             lanes.append(AUDIT.name)
-        workers = [WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log") for lane in lanes]
+        workers: list[WorkerProcess] = []
         stack.callback(stop_workers, workers, console, config.broker.task_timeout_s)
-        for worker in workers:
-            lock.record_child(f"{worker.lane} worker", worker.pid)
+        for lane in lanes:
+            workers.append(WorkerProcess(lane, config_path, env, state_dir / "logs" / f"{lane}.log"))
+            lock.record_child(f"{lane} worker", workers[-1].pid)
+            guard.watch(f"{lane} worker", workers[-1].pid, role=WORKER, warm_s=config.broker.task_timeout_s)
         console.print(f"started workers: {', '.join(f'{w.lane} (pid {w.process.pid})' for w in workers)}")
 
         progress = Progress(

@@ -19,3 +19,55 @@ def foreground_job(command: list[str], *, own_group: bool = False) -> subprocess
         )
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class TerminalJob:
+    """`command` as the session leader of a terminal of its own (a pseudo-terminal), as a login shell's command is:
+    closing the terminal (`hang_up`, a closed window, a dropped SSH session) sends it SIGHUP, and its writes to the
+    terminal fail after. What it prints is read as it comes (a full terminal would block it) into `output`."""
+
+    def __init__(self, command: list[str]) -> None:
+        import os
+        import pty
+        import threading
+
+        self._master, slave = pty.openpty()
+        self.output = bytearray()
+        self._hung_up = threading.Event()
+
+        def controlling_terminal() -> None:  # in the child: a session of its own, this terminal its controller
+            import fcntl
+            import termios
+
+            os.setsid()
+            fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+
+        self.process = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave,
+                                        preexec_fn=controlling_terminal)
+        os.close(slave)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        import os
+        import select
+
+        while not self._hung_up.is_set():
+            if not select.select([self._master], [], [], 0.1)[0]:
+                continue
+            try:
+                chunk = os.read(self._master, 65536)
+            except OSError:  # the command and every process holding the terminal are gone
+                break
+            if not chunk:
+                break
+            self.output += chunk
+        os.close(self._master)  # here, not while this thread may be reading it
+
+    def hang_up(self) -> None:
+        """Close the terminal: its controlling process gets SIGHUP from the kernel."""
+        self._hung_up.set()
+        self._reader.join()
+
+    def text(self) -> str:
+        return self.output.decode(errors="replace")

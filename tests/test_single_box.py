@@ -1,4 +1,4 @@
-"""`dflash-queue run` from a terminal: Ctrl-C reaches the whole foreground process group, and the private broker
+"""`dflash-queue run` stopped: Ctrl-C reaches the whole foreground process group, and the private broker
 is not in it; one run per state directory. Real runs of the tiny model, real redis-server."""
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from dflash_queue.shards.training import TrainingShard
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.jobs import first_lines
 from dfq_testing.polling import wait_until
-from dfq_testing.terminal import foreground_job
+from dfq_testing.terminal import TerminalJob, foreground_job
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
 pytestmark = pytest.mark.slow
 
 
-def slow_job(tiny_model: Path, tmp_path: Path, samples: int) -> tuple[list[str], Path]:
+def slow_job(tiny_model: Path, tmp_path: Path, samples: int, shard_size: int = 8) -> tuple[list[str], Path]:
     """A run command whose tasks take a while (long replies), and its generate worker's log."""
     tables = tiny_config_tables(tiny_model, tmp_path / "out", "", tmp_path / "state")
+    tables["dataset"]["shard_size"] = shard_size
     config = write_config(tmp_path / "run.toml", tables, **{"generate.sampling": {"max_tokens": 160}})
     dataset = first_lines(SAMPLE, samples, tmp_path / "prompts.jsonl")
     return [sys.executable, "-m", "dflash_queue", "run", str(dataset), "-c", str(config)], \
@@ -57,37 +58,23 @@ def left_running(pids: dict[str, int]) -> dict[str, int]:
     return {name: pid for name, pid in pids.items() if alive(pid)}
 
 
+def guard_of(pid: int) -> int:
+    """The pid of the guard process of the run `pid` (queue/child_guard.py)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            words = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dflash_queue.queue.child_guard" in words and str(pid).encode() in words:
+            return int(cmdline.parent.name)
+    raise AssertionError(f"no guard of pid {pid} runs")
+
+
 def all_samples_once(out: Path, count: int) -> None:
     shards = sorted((out / "shards").glob("*.safetensors"))
     ids = [i for path in shards for i in TrainingShard(path).sample_ids]
     ids += [d["id"] for path in shards for d in TrainingShard(path).dropped]
     assert len(ids) == len(set(ids)) == count
-
-
-def test_ctrl_c_lets_the_running_task_finish_on_a_live_broker_and_a_rerun_resumes(tiny_model, tmp_path):
-    command, generate_log = slow_job(tiny_model, tmp_path, 8)
-    process = foreground_job(command, own_group=True)
-    wait_for_task(process, generate_log)
-    started = started_processes(tmp_path / "state")
-    assert set(started) == {"redis-server", "generate worker", "extract worker"}
-    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal
-    interrupted = time.monotonic()
-    _, stderr = process.communicate(timeout=240)
-    assert process.returncode == 130, stderr[-3000:]
-    assert "stopping workers: running tasks finish first" in stderr and "interrupted" in stderr
-    assert time.monotonic() - interrupted < 200
-    log = generate_log.read_text()
-    # The task running at Ctrl-C finished against a broker that was still up.
-    assert "succeeded in" in log.split("Warm shutdown")[-1] or "succeeded in" in log, log[-3000:]
-    for trouble in ("heartbeat failed", "Connection refused", "Error 111", "Cannot connect"):
-        assert trouble not in log, log[-3000:]
-    redis_log = (tmp_path / "state" / "redis" / "redis.log").read_text()
-    assert "Received SIGTERM" in redis_log and "SIGINT" not in redis_log  # stopped by run, not by the Ctrl-C
-    assert left_running(started) == {}
-
-    rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stderr[-4000:]
-    all_samples_once(tmp_path / "out", 8)
 
 
 def test_a_second_run_of_the_job_is_refused_at_once_and_a_killed_ones_state_taken_over(tiny_model, tmp_path):
@@ -114,7 +101,9 @@ def test_a_second_run_of_the_job_is_refused_at_once_and_a_killed_ones_state_take
         assert "another run name" in worker.stderr
 
         started = started_processes(tmp_path / "state")
-        first.send_signal(signal.SIGKILL)  # kill -9: its broker and workers are left running, orphaned
+        # kill -9 of the run and its guard (as an OOM kill of both): its broker and workers are left running
+        os.kill(guard_of(first.pid), signal.SIGKILL)
+        first.send_signal(signal.SIGKILL)
         first.wait()
         assert set(left_running(started)) == {"redis-server", "generate worker", "extract worker"}
     finally:
@@ -127,3 +116,85 @@ def test_a_second_run_of_the_job_is_refused_at_once_and_a_killed_ones_state_take
     all_samples_once(tmp_path / "out", 8)
     assert left_running(started) == {}
     assert left_running(started_processes(tmp_path / "state")) == {}  # the holder file is gone with the run
+
+
+def sessions_members(leaders: dict[str, int]) -> dict[str, int]:
+    """Every running process in the sessions that `leaders` lead (a worker's engine processes are in its session),
+    named after its leader."""
+    members = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        for name, leader in leaders.items():
+            if fields[0] not in ("Z", "X") and int(fields[3]) == leader:
+                members[f"{name} / pid {stat.parent.name}"] = int(stat.parent.name)
+    return members
+
+
+def start_run(command: list[str], stop: signal.Signals) -> tuple[subprocess.Popen, TerminalJob | None]:
+    """The run as each stop finds it: Ctrl-C in its terminal's foreground group, a closed terminal for a hang-up,
+    else a process that `kill` and `timeout` signal."""
+    if stop == signal.SIGHUP:
+        terminal = TerminalJob(command)
+        return terminal.process, terminal
+    if stop == signal.SIGINT:
+        return foreground_job(command, own_group=True), None
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), None
+
+
+def test_ctrl_c_sigterm_sighup_and_sigkill_each_stop_every_process_of_the_job_and_a_rerun_finishes(tiny_model,
+                                                                                                   tmp_path):
+    """Ctrl-C, `kill PID`, a closed terminal and `kill -9` in turn, mid-job: each time the running task finishes
+    against a broker still up, and every process of the job (the workers, what runs in their sessions, the private
+    broker) is gone within a minute; the next run takes over, and the job ends whole."""
+    command, generate_log = slow_job(tiny_model, tmp_path, 32, shard_size=4)
+    redis_log = tmp_path / "state" / "redis" / "redis.log"
+    received = "] received"  # a task's first line in the worker's log: "Task dfq.generate[ID] received"
+    for stop in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGKILL):
+        log_before = len(generate_log.read_text()) if generate_log.exists() else 0
+        redis_before = len(redis_log.read_text()) if redis_log.exists() else 0
+        process, terminal = start_run(command, stop)
+
+        def said(process=process, terminal=terminal) -> str:
+            return terminal.text() if terminal else process.communicate()[1]
+
+        def task_running(process=process, log_before=log_before) -> bool:
+            assert process.poll() is None, said()[-3000:]
+            return generate_log.exists() and received in generate_log.read_text()[log_before:]
+
+        wait_until(task_running, 180, f"the run stopped by {stop.name} starting a task")
+        started = started_processes(tmp_path / "state")
+        assert set(started) == {"redis-server", "generate worker", "extract worker"}
+        job = {**started, **sessions_members(started)}
+        if stop == signal.SIGINT:
+            os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal
+        elif terminal:
+            terminal.hang_up()
+        else:
+            process.send_signal(stop)
+        process.wait(timeout=200)
+        assert process.returncode == (-stop if stop == signal.SIGKILL else 128 + stop), said()[-3000:]
+        wait_until(lambda job=job: left_running(job) == {}, 60, f"every process of the job gone after {stop.name}")
+
+        log = generate_log.read_text()[log_before:]
+        # The task running at the stop finished against a broker that was still up.
+        assert "succeeded in" in log.split("Warm shutdown")[-1], log[-3000:]
+        for trouble in ("heartbeat failed", "Connection refused", "Error 111", "Cannot connect"):
+            assert trouble not in log, log[-3000:]
+        assert "Received SIGTERM" in redis_log.read_text()[redis_before:]  # stopped by the run (or its guard) last
+        if stop in (signal.SIGINT, signal.SIGTERM):
+            assert "stopping workers: running tasks finish first" in (text := said()), text[-3000:]
+            assert f"interrupted ({stop.name})" in text, text[-3000:]
+        if stop == signal.SIGKILL:
+            guard_log = (tmp_path / "state" / "logs" / "guard.log").read_text()
+            assert f"pid {process.pid} exited leaving processes running" in guard_log, guard_log
+            assert f"generate worker (pid {started['generate worker']}) stopped warmly" in guard_log, guard_log
+
+    rerun = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    all_samples_once(tmp_path / "out", 32)
+    verified = subprocess.run([*command[:3], "verify", *command[4:]], capture_output=True, text=True, timeout=300)
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+    assert left_running(started_processes(tmp_path / "state")) == {}

@@ -17,6 +17,7 @@ from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.config import BrokerConfig, Config, RunConfig
 from dflash_queue.doctor.broker import broker_problem
 from dflash_queue.errors import ConfigError
+from dflash_queue.queue.child_guard import BROKER, ChildGuard
 
 URL_FILE = "broker.url"
 
@@ -103,8 +104,11 @@ def broker_for_reading(config: Config, what: str) -> Iterator[Config]:
             f"{config.source}: broker.url is empty and {directory} holds no data of a `dflash-queue run` job: {what} "
             "reads the broker; set broker.url (or DFQ_BROKER_URL)"
         )
-    server = private_server(config.run, config.broker).start()
-    try:
-        yield config.with_overrides(broker={"url": server.url})
-    finally:
-        server.stop()
+    with ChildGuard() as guard:  # a command killed while it reads leaves no server behind
+        server = private_server(config.run, config.broker).start()
+        assert server.process is not None
+        guard.watch("redis-server", server.process.pid, role=BROKER)
+        try:
+            yield config.with_overrides(broker={"url": server.url})
+        finally:
+            server.stop()

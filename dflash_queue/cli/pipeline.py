@@ -167,15 +167,17 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
 
 def _run_job(config_path: Path, config, datasets: list[Path], **options) -> None:
     from dflash_queue.single_box import RunFailed, run_single_box
+    from dflash_queue.stop_signals import StopRequested
 
     console = Console(stderr=True, soft_wrap=True)
     try:
         summary = run_single_box(config_path, config, datasets, console=console, **options)
     except (RunFailed, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
-    except KeyboardInterrupt:
-        console.print("interrupted: workers and broker stopped; queued work is kept for the next run")
-        sys.exit(130)
+    except KeyboardInterrupt as stop:  # Ctrl-C, kill -INT, SIGTERM, SIGHUP: see dflash_queue/stop_signals.py
+        name = stop.name if isinstance(stop, StopRequested) else "SIGINT"
+        console.print(f"interrupted ({name}): workers and broker stopped; queued work is kept for the next run")
+        sys.exit(stop.exit_code if isinstance(stop, StopRequested) else 130)
     for line in summary.lines():
         click.echo(line)
     if summary.shards_failed or summary.shards_missing or summary.shards_suspect:

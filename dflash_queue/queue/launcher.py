@@ -102,11 +102,20 @@ class WorkerProcess:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
+    def _sweep_group(self) -> None:
+        """Kill what is left of the worker's process group once the worker is gone (an engine process that outlived
+        it): the group is the worker's session, nothing else runs in it."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def stop(self, timeout: float = 60.0) -> None:
         self.terminate()
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+        self._sweep_group()
         if not self._log.closed:
             self._log.close()

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from dflash_queue.broker.redis_server import RedisServer
 from dflash_queue.broker.run_broker import forget_url, private_broker_dir, private_server, record_url
 from dflash_queue.cli import main
 from dflash_queue.deadletters import TASK, DeadLetter, DeadLetters, record_id
+from dfq_testing.polling import wait_until
 from dfq_testing.writes import WriteWatch
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,3 +109,31 @@ def test_with_a_broker_password_the_private_server_asks_for_it(make_config, tmp_
     # After the run, the server started on its data asks for the password too.
     after = invoke("dead", "list", "--json", "-c", config.source)
     assert after.exit_code == 0 and [r["shard_id"] for r in json.loads(after.stdout)] == ["guarded"]
+
+
+def test_a_command_killed_while_it_reads_the_runs_data_leaves_no_server_running(make_config):
+    config = make_config(broker={"url": ""})
+    with RedisServer(private_broker_dir(config.run)) as server:  # as `run` leaves its data
+        DeadLetters.from_url(server.url, config.run.name).add(dead_letter("s1"))
+    reader = textwrap.dedent(f"""
+        import sys
+        from dflash_queue.broker.run_broker import broker_for_reading
+        from dflash_queue.config import load_config as load
+        with broker_for_reading(load({str(config.source)!r}), "status") as running:
+            print(running.broker.url, flush=True)
+            sys.stdin.read()
+    """)
+    command = subprocess.Popen([sys.executable, "-c", reader], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        assert command.stdout is not None
+        url = command.stdout.readline().strip()
+        client = redis.Redis.from_url(url)
+        assert client.ping()
+        pid = int(client.info("server")["process_id"])
+        command.kill()  # kill -9 mid-command: it cannot stop its server itself
+    finally:
+        command.kill()
+        command.wait()
+    wait_until(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2],
+               60, "the command's redis-server stopping")
