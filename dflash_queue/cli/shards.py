@@ -50,6 +50,9 @@ shards_argument = click.argument("shards", metavar="SHARDS")
 @click.option("--skip-suspect", is_flag=True,
               help="Export without the shards the reference audit found suspect (listed, and recorded in "
               "export.json); without it, an export that would leave any out is refused and writes nothing.")
+@click.option("--draft-vocab-size", type=click.IntRange(min=1), default=None,
+              help="speculators: the draft's vocabulary, given to its trainer in export.json's arguments (default "
+              "32,000, or every supervised token when there are fewer).")
 def export(
     shards: str,
     format_name: str,
@@ -63,6 +66,7 @@ def export(
     exclude_flags: tuple[str, ...],
     drop_flagged: bool,
     skip_suspect: bool,
+    draft_vocab_size: int | None,
 ) -> None:
     """Write every sample of SHARDS (a shard, a directory or a storage URL) to OUT, one file per sample, in
     the layout SpecForge's or vLLM speculators' trainer reads for the drafter of --method, with the layer ids and
@@ -97,7 +101,7 @@ def export(
             task = bar.add_task("samples", total=len(dataset))
             report = export_dataset(
                 dataset,
-                export_format(format_name, method),
+                export_format(format_name, method, draft_vocab_size=draft_vocab_size),
                 target,
                 source=shards,
                 seed=seed,

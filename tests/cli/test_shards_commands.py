@@ -115,3 +115,17 @@ def test_export_refuses_suspect_shards_unless_told_to_skip_them_and_inspect_show
     report = json.loads(shown.output)
     assert report["suspect"]["reason"] == "layer 3: worst token 2.0e+00" and report["suspect"]["node"] == "extract@gpu-1"
     assert {c["name"]: c["status"] for c in report["checks"]}["audit"] == "SUSPECT"
+
+
+def test_export_gives_speculators_the_draft_vocabulary_asked_for(peer_shards, tmp_path):
+    root = peer_shards["bfloat16"].storage.url
+    out = tmp_path / "speculators"
+    result = CliRunner().invoke(main, ["export", root, "-f", "speculators", str(out), "--draft-vocab-size", "7"])
+    assert result.exit_code == 0, result.output
+    trainer = json.loads((out / "export.json").read_text())["trainer"]
+    assert trainer["draft_vocab_size"] == 7
+    arguments = trainer["arguments"]
+    assert arguments[arguments.index("--draft-vocab-size") + 1] == "7"
+    refused = CliRunner().invoke(main, ["export", root, "-f", "speculators", str(tmp_path / "x"), "--draft-vocab-size",
+                                        "0"])
+    assert refused.exit_code == 2 and "--draft-vocab-size" in refused.output
