@@ -23,7 +23,7 @@ from dflash_queue.runstate.run_identity import MANIFEST_KEY, WEIGHTS, RunIdentit
 from dflash_queue.runstate.shard_states import DONE, GENERATED
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of, stored_shard_ids
+from dflash_queue.shards.keys import completed_shard_ids, completions_key, prompts_key, stored_shard_ids
 from dflash_queue.storage import Storage, open_storage
 
 # send(shard id, samples, fingerprint): an extract task.
@@ -160,7 +160,7 @@ def stage_reextraction(
 
 
 def _completed_shards(source: Storage) -> list[str]:
-    return sorted({shard_id_of(key) for key in source.list(f"{COMPLETIONS}/") if key.endswith(".jsonl")})
+    return completed_shard_ids(source)
 
 
 def _identity(config: Config) -> RunIdentity:

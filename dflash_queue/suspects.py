@@ -24,7 +24,7 @@ from dflash_queue.runstate.audits import AuditRecords, Suspect
 from dflash_queue.runstate.ledger import Ledger
 from dflash_queue.runstate.window import ShardWindow
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.keys import SUSPECT, completions_key, shard_id_of, suspect_key
+from dflash_queue.shards.keys import completions_key, suspect_key, suspect_mark_of, suspect_marks_prefix
 from dflash_queue.shards.suspects import SuspectMark
 from dflash_queue.storage.base import Storage
 
@@ -86,10 +86,9 @@ def _of_mark(mark: SuspectMark) -> SuspectShard:
 def marked_shards(storage: Storage) -> set[tuple[int, str]]:
     """(epoch, shard id) of every suspect mark in the run's storage (one listing)."""
     found = set()
-    for key in storage.list(f"{SUSPECT}/"):
-        parts = key.split("/")
-        if len(parts) == 3 and parts[1].isdigit() and key.endswith(".json"):
-            found.add((int(parts[1]), shard_id_of(key)))
+    for key in storage.list(suspect_marks_prefix()):
+        if (mark := suspect_mark_of(key)) is not None:
+            found.add(mark)
     return found
 
 

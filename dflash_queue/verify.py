@@ -32,7 +32,7 @@ from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import FAILED, Ledger
 from dflash_queue.runstate.window import ShardWindow, epoch_states
 from dflash_queue.shards.consumed import ConsumedShard
-from dflash_queue.shards.keys import CONSUMED, PROMPTS, epoch_shards_prefix, shard_id_of
+from dflash_queue.shards.keys import consumed_keys, epoch_shard_keys, prompts_keys, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts, prompt_shard_id
 from dflash_queue.shards.ranges import open_source
 from dflash_queue.shards.reader import ShardIndex
@@ -191,10 +191,8 @@ def enqueued_shards(storage: Storage) -> dict[str, list[str]]:
     """shard id -> sample ids, from the prompt shards in storage: what was enqueued, whatever file list it came
     from."""
     shards = {}
-    for key in storage.list(PROMPTS + "/"):
-        if key.endswith(".jsonl"):
-            shard_id = shard_id_of(key)
-            shards[shard_id] = [s.id for s in decode_prompts(storage.read_bytes(key), what=key)]
+    for key in prompts_keys(storage):
+        shards[shard_id_of(key)] = [s.id for s in decode_prompts(storage.read_bytes(key), what=key)]
     return shards
 
 
@@ -234,9 +232,8 @@ def verify(
     suspect_ids = {s.shard for s in report.suspect_shards}
     # Where samples of suspect shards were found: counted suspect there, not done.
     suspect_places: set[str] = set()
-    prefix = epoch_shards_prefix(epoch)
     stored_ids: set[str] = set()
-    for key in sorted(k for k in storage.list(prefix) if k.endswith(".safetensors")):
+    for key in epoch_shard_keys(storage, epoch):
         stored_ids.add(shard_id_of(key))
         try:
             ids, flagged, dropped = shard_contents(storage, key)
@@ -246,7 +243,7 @@ def verify(
         if shard_id_of(key) in suspect_ids:
             suspect_places.add(key)
         found_in(found, flagged_ids, key, ids, [ids[row] for row in flagged], dropped)
-    for key in sorted(k for k in storage.list(f"{CONSUMED}/{epoch}/") if k.endswith(".json")):
+    for key in consumed_keys(storage, epoch):
         if shard_id_of(key) in stored_ids:
             continue  # deleted after its record was written, or about to be: the file counts
         try:

@@ -9,7 +9,7 @@ from dflash_queue.audit.inputs import AuditSettings, audit_dataset, dataset_line
 from dflash_queue.audit.outputs import completion_rows, output_lines, shard_rows, summarize_rows
 from dflash_queue.audit.targets import Targets, locate
 from dflash_queue.shards.completions import decode_completions
-from dflash_queue.shards.keys import COMPLETIONS, SHARDS
+from dflash_queue.shards.keys import completions_keys, run_shard_keys
 from dflash_queue.shards.training import TrainingShard
 
 
@@ -54,7 +54,7 @@ def _completion_rows(targets: Targets):
     for path in targets.completion_files:
         yield from completion_rows(decode_completions(path.read_bytes(), what=str(path)))
     for storage in targets.storages:
-        for key in sorted(storage.list(COMPLETIONS + "/")):
+        for key in completions_keys(storage):
             yield from completion_rows(decode_completions(storage.read_bytes(key), what=key))
 
 
@@ -71,7 +71,7 @@ def _shard_rows(targets: Targets) -> tuple[list, int, int]:
     for path in targets.shard_files:
         add(TrainingShard(path))
     for storage in targets.storages:
-        for key in sorted(storage.list(SHARDS + "/")):
+        for key in run_shard_keys(storage):
             with storage.local_copy(key) as path:
                 add(TrainingShard(path))
     return rows, dropped, count

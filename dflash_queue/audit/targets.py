@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_queue.data.containers import RawRecord, read_records
-from dflash_queue.shards.keys import COMPLETIONS, SHARDS
+from dflash_queue.shards.keys import holds_run_output, is_shard_key
 from dflash_queue.storage import Storage, open_storage
 
 
@@ -30,7 +30,7 @@ def locate(paths: list[str]) -> Targets:
             continue
         path = Path(raw)
         if path.is_dir():
-            if (path / SHARDS).is_dir() or (path / COMPLETIONS).is_dir():
+            if holds_run_output(p.name for p in path.iterdir() if p.is_dir()):
                 targets.storages.append(open_storage(str(path)))
                 continue
             for file in sorted(p for p in path.rglob("*") if p.is_file() and _known(p)):
@@ -41,15 +41,15 @@ def locate(paths: list[str]) -> Targets:
 
 
 # Files picked up when a directory is audited (a named file is audited whatever its extension).
-EXTENSIONS = {".jsonl", ".ndjson", ".json", ".gz", ".gzip", ".zst", ".zstd", ".parquet", ".pq", ".safetensors"}
+DATASET_EXTENSIONS = {".jsonl", ".ndjson", ".json", ".gz", ".gzip", ".zst", ".zstd", ".parquet", ".pq"}
 
 
 def _known(path: Path) -> bool:
-    return not path.name.startswith(".") and path.suffix.lower() in EXTENSIONS
+    return not path.name.startswith(".") and (path.suffix.lower() in DATASET_EXTENSIONS or is_shard_key(path.name))
 
 
 def _add_file(targets: Targets, path: Path) -> None:
-    if path.suffix == ".safetensors":
+    if is_shard_key(path.name):
         targets.shard_files.append(path)
     elif _looks_like_completions(path):
         targets.completion_files.append(path)

@@ -171,14 +171,14 @@ def inspect(
 
 def _export_conversations(root: str, format_name: str, out: str, tokenizer: Any, console: Console) -> None:
     from dflash_queue.exports.conversations import export_conversations
-    from dflash_queue.shards.keys import COMPLETIONS
+    from dflash_queue.shards.keys import completions_keys
     from dflash_queue.storage import open_storage
 
     if tokenizer is None:
         raise click.UsageError(f"--format {format_name} decodes the replies: give -c CONFIG or --tokenizer")
     try:
         storage = open_storage(root if "://" in root else str(Path(root).resolve()))
-        shards = sum(1 for _ in storage.list(COMPLETIONS + "/"))
+        shards = len(completions_keys(storage))
         if not shards:
             raise click.ClickException(f"{root}: no completions shards (is it a run's storage root?)")
         target = open_storage(str(Path(out).resolve()) if "://" not in out else out)

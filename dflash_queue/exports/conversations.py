@@ -26,7 +26,7 @@ from typing import Any
 from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.samples import Sample
 from dflash_queue.shards.completions import CompletionRecord, decode_completions
-from dflash_queue.shards.keys import COMPLETIONS, completions_key, prompts_key, shard_id_of
+from dflash_queue.shards.keys import completions_key, completions_keys, prompts_key, shard_id_of
 from dflash_queue.shards.prompts import decode_prompts
 from dflash_queue.storage.base import Storage
 
@@ -89,7 +89,7 @@ def conversation(sample: Sample, record: CompletionRecord, formatter: ChatFormat
 def iter_conversations(storage: Storage, tokenizer) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     """(shard id, its conversations), shard by shard in key order."""
     formatter = ChatFormatter(tokenizer)
-    for key in sorted(storage.list(COMPLETIONS + "/")):
+    for key in completions_keys(storage):
         shard_id = shard_id_of(key)
         records = {r.id: r for r in decode_completions(storage.read_bytes(completions_key(shard_id)), what=key)}
         samples = decode_prompts(storage.read_bytes(prompts_key(shard_id)), what=prompts_key(shard_id))

@@ -8,12 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.keys import EPOCHS
+from dflash_queue.shards.keys import in_later_epoch, is_shard_key
 from dflash_queue.storage.base import Storage
 from dflash_queue.storage.factory import open_storage
 from dflash_queue.storage.local import LocalStorage
-
-SHARD_SUFFIX = ".safetensors"
 
 ShardsArg = str | os.PathLike[str] | Storage
 
@@ -53,7 +51,7 @@ def locate_shards(target: ShardsArg, *, keys: Sequence[str] | None = None, prefi
 
 
 def _split_object_url(url: str) -> tuple[str, str | None]:
-    if not url.endswith(SHARD_SUFFIX):
+    if not is_shard_key(url):
         return url.rstrip("/"), None
     parent, _, name = url.rpartition("/")
     return parent, name
@@ -63,12 +61,9 @@ def _from_storage(storage: Storage, keys: Sequence[str] | None, prefix: str, *, 
     listed = keys is None
     if keys is None:
         # Later epochs' copies of the run's shards (under epochs/) are read only when asked for by prefix.
-        later_epochs = EPOCHS + "/"
         keys = sorted(
-            k
-            for k in storage.list(prefix)
-            if k.endswith(SHARD_SUFFIX) and (prefix.startswith(later_epochs) or not k.startswith(later_epochs))
+            k for k in storage.list(prefix) if is_shard_key(k) and (in_later_epoch(prefix) or not in_later_epoch(k))
         )
         if not keys:
-            raise ShardFormatError(f"{storage.url}: no {SHARD_SUFFIX} shards under {prefix or 'the root'}")
+            raise ShardFormatError(f"{storage.url}: no training shards under {prefix or 'the root'}")
     return ShardSet(storage, tuple(keys), url, listed)

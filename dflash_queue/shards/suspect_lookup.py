@@ -13,13 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dflash_queue.errors import ShardFormatError
-from dflash_queue.shards.keys import EPOCHS, SHARDS, SUSPECT, suspect_key
+from dflash_queue.shards.keys import split_shard_path, suspect_key, suspect_marks_prefix
 from dflash_queue.shards.suspects import SuspectMark
 from dflash_queue.storage.base import Storage
 from dflash_queue.storage.local import LocalStorage
 from dflash_queue.storage.urls import scheme_of
-
-SUFFIX = ".safetensors"
 
 
 class SuspectShardError(ShardFormatError):
@@ -57,17 +55,6 @@ class ShardPlace:
         return self.prefix + suspect_key(self.shard_id, self.epoch)
 
 
-def _split(segments: list[str]) -> tuple[list[str], int, str] | None:
-    """(root segments, epoch, shard id) of a path whose last segments are `shards/{id}.safetensors`, under
-    `epochs/{n}/` for a later epoch; None for any other path."""
-    if len(segments) < 2 or segments[-2] != SHARDS or not segments[-1].endswith(SUFFIX):
-        return None
-    shard_id = segments[-1][: -len(SUFFIX)]
-    if len(segments) >= 4 and segments[-4] == EPOCHS and segments[-3].isdigit():
-        return segments[:-4], int(segments[-3]), shard_id
-    return segments[:-2], 0, shard_id
-
-
 def _reopen(storage: Storage, url: str) -> Storage | None:
     """A storage like `storage` at `url` (a folder above it), or None for a kind this cannot open there."""
     if isinstance(storage, LocalStorage):
@@ -86,7 +73,7 @@ def shard_place(storage: Storage, key: str, opened: dict[str, Storage | None] | 
     """The run root, epoch and id of the training shard `key` in `storage`; None when it lies in no run's layout.
     `opened` keeps the storages opened above `storage` (one per root) across calls."""
     base = storage.url.rstrip("/").split("/")
-    found = _split([*base, *key.split("/")])
+    found = split_shard_path([*base, *key.split("/")])
     if found is None:
         return None
     root, epoch, shard_id = found
@@ -110,7 +97,7 @@ def suspect_marks(storage: Storage, keys: Sequence[str]) -> dict[str, SuspectMar
     for key, place in places.items():
         root = (id(place.root), place.prefix)
         if root not in listed:
-            listed[root] = set(place.root.list(f"{place.prefix}{SUSPECT}/"))
+            listed[root] = set(place.root.list(suspect_marks_prefix(place.prefix)))
         if place.mark_key in listed[root]:
             found[key] = SuspectMark.from_json(place.root.read_bytes(place.mark_key), where=place.mark_key)
     return found
