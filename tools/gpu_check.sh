@@ -30,10 +30,12 @@
 #                  transcript in OUT_DIR/gpu_check.log.
 #
 # Settings (environment): PYTHON (default python3), GPU_CHECK_BUNDLE (default gpu-bundle), GPU_CHECK_WORK (a new
-# or empty folder; default a new one under /tmp), GPU_CHECK_DEVICE (cuda or cpu; default cuda when torch sees
-# one), GPU_CHECK_SHAPE (full, or small: tiny shapes and workloads for a CPU run of this same script, as
-# tests/tools/test_gpu_check.py does), GPU_CHECK_BUDGET_S, GPU_CHECK_DRY_RUN=1 (print each step's command, run
-# none, as if vLLM imported and every branch were taken: the tests check those commands against the tools' parsers).
+# or empty folder, kept; default a new one under /tmp, removed at the end unless GPU_CHECK_KEEP_WORK=1),
+# GPU_CHECK_DEVICE (cuda or cpu; default cuda when torch sees one: without one the full shapes are refused at once
+# unless GPU_CHECK_DEVICE=cpu), GPU_CHECK_SHAPE (full, or small: tiny shapes and workloads for a CPU run of this
+# same script, as tests/tools/test_gpu_check.py does), GPU_CHECK_BUDGET_S, GPU_CHECK_DRY_RUN=1 (print each step's
+# command, run none, as if vLLM imported and every branch were taken: the tests check those commands against the
+# tools' parsers).
 set -uo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -45,6 +47,17 @@ BUNDLE=${GPU_CHECK_BUNDLE:-$REPO/gpu-bundle}
 SHAPE=${GPU_CHECK_SHAPE:-full}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-420}
 DRY_RUN=${GPU_CHECK_DRY_RUN:-0}
+case $SHAPE in full|small) ;; *) echo "GPU_CHECK_SHAPE: full or small, not $SHAPE" >&2; exit 2 ;; esac
+# The full shapes measure a GPU: without one they would run for minutes on host cores and measure nothing. Refused
+# at once, unless a CPU run is asked for by name (GPU_CHECK_DEVICE=cpu; its report says device cpu).
+if [ "$DRY_RUN" != 1 ] && [ "$SHAPE" = full ] && [ -z "${GPU_CHECK_DEVICE:-}" ] \
+    && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu check: torch in $PY sees no CUDA device (or does not import): the full shapes measure a GPU and on" \
+    "host cores would run for minutes and measure nothing. Run it on a GPU node; GPU_CHECK_SHAPE=small runs the same" \
+    "steps on tiny shapes (a check of the script and the bundle, its figures labelled cpu); GPU_CHECK_DEVICE=cpu" \
+    "forces the full shapes on host cores" >&2
+  exit 2
+fi
 if [ -n "${GPU_CHECK_WORK:-}" ]; then
   WORK=$GPU_CHECK_WORK
   if [ -e "$WORK" ] && [ -n "$(ls -A "$WORK")" ]; then
@@ -54,8 +67,9 @@ if [ -n "${GPU_CHECK_WORK:-}" ]; then
   mkdir -p "$WORK"
 else
   WORK=$(mktemp -d /tmp/dfq-gpu-check.XXXXXX)
+  # Checkpoints and states of several GB: gone with the script unless asked to keep them.
+  [ "${GPU_CHECK_KEEP_WORK:-0}" = 1 ] || trap 'rm -rf "$WORK"' EXIT
 fi
-case $SHAPE in full|small) ;; *) echo "GPU_CHECK_SHAPE: full or small, not $SHAPE" >&2; exit 2 ;; esac
 mkdir -p "$DEST"
 LOG=$DEST/gpu_check.log
 STEPS=$WORK/steps.jsonl

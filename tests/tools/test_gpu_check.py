@@ -273,6 +273,41 @@ def check_shape(builder, args, shape: str, name: str) -> None:
     assert sum(p.numel() for p in model.parameters()) > (10**9 if shape == "full" else 10**5)
 
 
+def leftover_work_dirs() -> set[str]:
+    return {p.name for p in Path("/tmp").glob("dfq-gpu-check.*")}
+
+
+def test_without_a_gpu_the_full_check_is_refused_at_once_and_leaves_nothing(tmp_path):
+    """A user on a node whose torch sees no GPU: refused before anything is made, saying what to do instead."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    before = leftover_work_dirs()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECK_")}
+    done = subprocess.run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], capture_output=True, text=True,
+                          env={**env, "PYTHON": sys.executable}, cwd=REPO, timeout=120)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "sees no CUDA device" in done.stderr and "GPU_CHECK_SHAPE=small" in done.stderr
+    assert not (tmp_path / "out").exists() and leftover_work_dirs() == before
+
+
+def test_the_work_folder_it_made_is_removed_unless_asked_to_keep_it(tmp_path):
+    before = leftover_work_dirs()
+    env = dict(os.environ, GPU_CHECK_DRY_RUN="1", GPU_CHECK_SHAPE="small", GPU_CHECK_DEVICE="cuda")
+    env.pop("GPU_CHECK_WORK", None)
+    run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], env=env, cwd=REPO)
+    assert leftover_work_dirs() == before
+    kept = run(["bash", "tools/gpu_check.sh", str(tmp_path / "out")], env={**env, "GPU_CHECK_KEEP_WORK": "1"},
+               cwd=REPO)
+    made = leftover_work_dirs() - before
+    try:
+        assert len(made) == 1 and f"work in /tmp/{next(iter(made))}" in kept.stdout
+    finally:
+        for name in made:
+            shutil.rmtree(Path("/tmp") / name, ignore_errors=True)
+
+
 # -----------------------------------------------------------------------------------------------------------------
 # The installer's refusals
 
