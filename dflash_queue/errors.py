@@ -139,3 +139,8 @@ class NonFiniteRowRefused(ShardFormatError):
 class EngineStatesInvalid(PermanentError):
     """An engine handed over states that cannot be the sequence's own: for other tokens, of another shape, or with
     tokens whose state it never wrote. Nothing of the task is stored."""
+
+
+class DatasetRefused(ConfigError):
+    """The datasets gave no usable sample, or a file's bad records pass dataset.max_bad_share: the message names the
+    files, their counts, the first problems (file, line, key) and the setting, and says what was enqueued."""

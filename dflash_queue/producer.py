@@ -18,6 +18,11 @@ training file is sent again. Tasks are idempotent (a shard whose completions are
 extraction), so a shard that still had a message costs one skipped delivery, never a second copy. A rebuild
 under a run name made with another config starts that run over (shard states and counters reset).
 
+Datasets that give no usable sample, or a file whose bad records pass `dataset.max_bad_share`, are refused
+(DatasetRefused, data/intake.py). No message leaves before PROBE_RECORDS records are read and judged fit, so a
+dataset in the wrong format is refused with nothing enqueued (its prompt files may be in storage: staged, never
+sent); a share that passes the limit only later is refused at the end, the shards sent before it staying queued.
+
 Speed: token counting is batched through the fast tokenizer (on a second thread); shards are handled in
 groups, with one ledger read and one ledger write per group, and a group's prompt files are written by a
 thread pool while the next group is read. A shard's message is sent only once its prompt file is stored, and
@@ -35,6 +40,7 @@ from dflash_queue.config import Config
 from dflash_queue.data.length import LengthFilter
 from dflash_queue.data.preparation import batched
 from dflash_queue.data.samples import EncodedSample
+from dflash_queue.errors import DatasetRefused
 from dflash_queue.prompt_staging import (
     EnqueueReport,
     build_length_filter,
@@ -54,11 +60,15 @@ from dflash_queue.storage import Storage, open_storage
 SHARD_GROUP = 64
 # Concurrent prompt-file writes (storage latency, fsync, object-store PUTs).
 STORAGE_THREADS = 8
+# Records read before the first message may leave: enough to tell a dataset in the wrong format (whose every
+# record, or nearly, is bad) from one with a few bad records, without holding the workers back long.
+PROBE_RECORDS = 1024
 
 
 @dataclass
 class _StagedGroup:
-    group: list[list[EncodedSample]]
+    # Samples per shard: the samples themselves are dropped once their prompt files are being written.
+    sizes: list[int]
     to_send: list[tuple[str, int]]
     writes: list[Future]
 
@@ -102,17 +112,22 @@ class Producer:
         report.restarted = self.claim_run(rebuild=rebuild)
         done = stored_shard_ids(self.storage)
         samples = iter_encoded(self.config.dataset, self.config.model, paths, report, self.length_filter)
+        # Staged groups wait here, prompt files written, until the records read so far are judged fit to send.
+        held: list[_StagedGroup] = []
         with ThreadPoolExecutor(max_workers=STORAGE_THREADS, thread_name_prefix="dfq-stage") as pool:
-            pending: _StagedGroup | None = None
             for group in growing_batches(batched(samples, self.config.dataset.shard_size), SHARD_GROUP):
-                staged = self._stage_group(group, done, report, pool)
-                if pending is not None:
-                    self._send_group(pending, report, send, on_shard)
-                pending = staged
+                held.append(self._stage_group(group, done, report, pool))
+                if len(held) > 1 and self._may_send(report):
+                    for staged in held[:-1]:
+                        self._send_group(staged, report, send, on_shard)
+                    del held[:-1]
             if on_total:
                 on_total(report.staged)
-            if pending is not None:
-                self._send_group(pending, report, send, on_shard)
+            refusal = report.refusal(self.config.dataset, self.config.source)
+            if refusal is not None and not report.enqueued:
+                raise DatasetRefused(f"{refusal}\nNothing was enqueued.")
+            for staged in held:
+                self._send_group(staged, report, send, on_shard)
         # Every shard of the dataset is now known: a live dataset can split epoch 0 among its ranks.
         ShardWindow(self.ledger.client, self.config.run.name).seal_epoch(0, report.shard_samples)
         self.ledger.add(
@@ -123,7 +138,22 @@ class Producer:
                 "skipped_too_long": report.too_long.total,
             }
         )
+        if refusal is not None:
+            raise DatasetRefused(
+                f"{refusal}\n{report.enqueued} shard(s) of the datasets were enqueued before the share was known "
+                "(it was within dataset.max_bad_share over the first records): they stay queued."
+            )
         return report
+
+    def _may_send(self, report: EnqueueReport) -> bool:
+        """Whether the records read so far let messages leave: PROBE_RECORDS of them read, some usable and no file
+        over dataset.max_bad_share. Until then a dataset in the wrong format is refused with nothing enqueued;
+        after, a share that passes the limit later is refused at the end, its earlier shards queued."""
+        if report.enqueued:
+            return True
+        return report.intake.records >= PROBE_RECORDS and report.staged > 0 and not report.intake.over(
+            self.config.dataset.max_bad_share
+        )
 
     def claim_run(self, *, rebuild: bool = False) -> list[str]:
         """Check that the storage location and the broker's run name were made with this config, and record
@@ -159,7 +189,7 @@ class Producer:
         """Skip what is done or queued; start writing the prompt files of the rest."""
         shard_ids = [prompt_shard_id(shard) for shard in group]
         states = self.ledger.states(shard_ids)
-        staged = _StagedGroup(group, [], [])
+        staged = _StagedGroup([len(shard) for shard in group], [], [])
         for shard_id, shard in zip(shard_ids, group):
             report.shards += 1
             report.shard_ids.append(shard_id)
@@ -203,8 +233,8 @@ class Producer:
             report.enqueued += 1
             report.pending_samples += size
         if on_shard:
-            for shard in staged.group:
-                on_shard(len(shard))
+            for size in staged.sizes:
+                on_shard(size)
 
 
 def _send_generate(shard_id: str, num_samples: int, fingerprint: str) -> None:

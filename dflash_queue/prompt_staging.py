@@ -14,6 +14,7 @@ from typing import cast
 
 from dflash_queue.config import Config
 from dflash_queue.data.config import DatasetConfig
+from dflash_queue.data.intake import Intake, StagingCounts, intake_refusal
 from dflash_queue.data.length import TOO_LONG, LengthFilter
 from dflash_queue.data.preparation import Preparation, prepared_chunks
 from dflash_queue.data.problems import BadRecord, ProblemLog
@@ -56,6 +57,15 @@ class EnqueueReport:
     pending_samples: int = 0
     problems: ProblemLog = field(default_factory=ProblemLog)
     too_long: ProblemLog = field(default_factory=ProblemLog)
+    # Records and bad records per dataset file.
+    intake: Intake = field(default_factory=Intake)
+
+    def refusal(self, dataset: DatasetConfig, source: str) -> str | None:
+        """Why what was read so far must not be staged (data/intake.py), or None."""
+        counts = StagingCounts(self.staged, self.duplicates, self.too_long.total)
+        return intake_refusal(
+            self.intake, self.problems, counts, max_bad_share=dataset.max_bad_share, source=source
+        )
 
     def lines(self) -> list[str]:
         out = [
@@ -154,7 +164,9 @@ def _admitted(
         for item, tokens in zip(items, counts):
             if isinstance(item, BadRecord):
                 report.problems.add(item)
+                report.intake.bad(item)
                 continue
+            report.intake.sample(item.source)
             if item.id in seen:
                 report.duplicates += 1
                 continue
@@ -169,6 +181,7 @@ def _admitted(
                     else:
                         report.refused += 1
                         report.problems.add(judged)
+                        report.intake.refused(item.source)
                     continue
                 report.prompt_tokens += judged.prompt_tokens
                 report.max_prompt_tokens = max(report.max_prompt_tokens, judged.prompt_tokens)

@@ -30,6 +30,11 @@ class DatasetConfig(Section):
     files hold 64 MiB or more; else 1."""
     max_record_bytes: PositiveInt = 4 * 1024 * 1024
     """A record (JSONL line, array element, Parquet row) larger than this is reported and skipped."""
+    max_bad_share: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """Staging is refused when a dataset file's bad records are more than this share of its records (a file in
+    another format, a broken export): nothing of the datasets is enqueued when it is known before the first
+    message (the first 1024 records, or the datasets' end where the share is over until then). 1: any share
+    goes. Datasets with no usable sample at all are refused whatever this says."""
     length_filter: bool = True
     """Skip prompts whose chat-templated token count leaves less than `generation_budget` tokens inside
     `max_model_len`; counted with the target's own tokenizer at staging time."""
