@@ -6,12 +6,14 @@ from __future__ import annotations
 import ipaddress
 import socket
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import redis
 
 from dflash_queue.doctor.result import Check
 from dflash_queue.redaction import redact
+from dflash_queue.runstate.redis_connect import is_sentinel_url, parse_sentinel_url, redis_client
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -46,11 +48,31 @@ def password_verdict(host: str, needs_password: bool) -> Check:
     )
 
 
+def shown(url: str) -> str:
+    """`url` as it may be shown: without passwords (a Sentinel URL holds two)."""
+    return parse_sentinel_url(url).shown() if is_sentinel_url(url) else redact(url)
+
+
+def broker_host(url: str, *, timeout_s: float = 5.0) -> str:
+    """The host clients reach the broker at: the primary the sentinels name now, for a Sentinel URL."""
+    if not is_sentinel_url(url):
+        return urlsplit(url).hostname or ""
+    target = parse_sentinel_url(url)
+    options = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
+    return str(target.sentinel(**options).discover_master(target.master_name)[0])
+
+
 def needs_password(url: str, *, timeout_s: float = 5.0) -> bool:
     """Whether the broker at `url` refuses a client that gives no user and no password."""
-    parts = urlsplit(url)
-    bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
-    client = redis.Redis.from_url(bare, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    options: dict[str, Any] = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
+    if is_sentinel_url(url):
+        target = parse_sentinel_url(url)
+        host, port = target.sentinel(**options).discover_master(target.master_name)
+        client = redis.Redis(host=host, port=port, **options)
+    else:
+        parts = urlsplit(url)
+        bare = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+        client = redis.Redis.from_url(bare, **options)
     try:
         client.ping()
     except redis.AuthenticationError:
@@ -77,10 +99,10 @@ def broker_problem(url: str, *, password_from: str = "", timeout_s: float = 3.0)
     """Whether the broker at `url` (credentials in it) lets a client in: None when it does, else why, in one line
     that names the setting to fix and never holds the password. `password_from`: where the URL's password came
     from (BrokerConfig.password_origin)."""
-    parts = urlsplit(url)
-    where = redact(url)
+    parts = urlsplit(url.split(";")[0])  # the credentials; a Sentinel URL has them on its first address
+    where = shown(url)
     who = f"user {parts.username!r}" if parts.username else "the default user"
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    client = redis_client(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         client.ping()
     except redis.AuthenticationError as exc:
@@ -134,20 +156,24 @@ def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:
                 "workers on other machines need a URL (broker.url or DFQ_BROKER_URL)",
             )
         ]
-    where = redact(url)
-    client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+    where = shown(url)
+    client = redis_client(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
     try:
         client.ping()
         server = client.info("server")
         persistence = client.info("persistence")
         memory = client.info("memory")
+        replication = client.info("replication")
     except redis.RedisError as exc:
         return [Check.failed("broker reachable", f"{where}: {type(exc).__name__}: {exc}")]
     finally:
         client.close()
     checks = [Check.passed("broker reachable", f"redis {server.get('redis_version', '?')} at {where}")]
+    if is_sentinel_url(url):
+        checks.append(sentinel_check(url, replication, timeout_s=timeout_s))
     try:
-        checks.append(password_verdict(urlsplit(url).hostname or "", needs_password(url, timeout_s=timeout_s)))
+        checks.append(password_verdict(broker_host(url, timeout_s=timeout_s),
+                                       needs_password(url, timeout_s=timeout_s)))
     except redis.RedisError as exc:
         checks.append(Check.warned("broker password", f"{where}: cannot tell: {type(exc).__name__}: {exc}"))
 
@@ -177,6 +203,32 @@ def check_broker(url: str, *, timeout_s: float = 5.0) -> list[Check]:
             )
         )
     return checks
+
+
+def sentinel_check(url: str, replication: dict, *, timeout_s: float = 5.0) -> Check:
+    """How many sentinels answer and know the primary, and how many replicas it has: a failover needs a quorum
+    of sentinels, and a replica to promote."""
+    target = parse_sentinel_url(url)
+    answering: list[str] = []
+    silent: list[str] = []
+    for host, port in target.sentinels:
+        client = redis.Redis(host=host, port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                             **target.sentinel_kwargs())
+        try:
+            client.sentinel_master(target.master_name)
+            answering.append(f"{host}:{port}")
+        except redis.RedisError as exc:
+            silent.append(f"{host}:{port} ({type(exc).__name__}: {_one_line(exc)})")
+        finally:
+            client.close()
+    replicas = int(replication.get("connected_slaves", 0))
+    detail = (f"{len(answering)} of {len(target.sentinels)} sentinels know master {target.master_name!r}; "
+              f"the primary has {replicas} connected replica(s)")
+    if silent:
+        return Check.warned("broker sentinels", f"{detail}; not answering: {', '.join(silent)}")
+    if replicas == 0:
+        return Check.warned("broker sentinels", f"{detail}: no replica to promote if the primary is lost")
+    return Check.passed("broker sentinels", detail)
 
 
 DURABILITY_CHECKS = ("broker AOF", "broker eviction")

@@ -29,6 +29,7 @@ from dflash_queue.config import (
 from dflash_queue.lanes.registry import LANES
 from dflash_queue.lanes.tensor_parallel import group_size_error
 from dflash_queue.ops.gpus import instance_name
+from dflash_queue.queue.config import SENTINEL_PASSWORD_ENV, SENTINEL_PASSWORD_FILE_ENV
 from dflash_queue.runstate.stopped_workers import EXIT_FAILING_CHECKS
 
 FLOWER_UNIT = "dflash-flower.service"
@@ -215,6 +216,10 @@ def env_file_text(broker: BrokerConfig, storage: StorageConfig, *, flower_passwo
             "# broker.username. Leave them commented out for a broker without a password (loopback only).",
             f"#{PASSWORD_ENV}=",
             f"#{PASSWORD_FILE_ENV}=/etc/dflash-queue/broker.password",
+            "# With Redis Sentinel (a sentinel:// broker.url and broker.sentinel_master): the sentinels' own",
+            "# password, or a file holding it, when they have one (the primary's is the broker's, above).",
+            f"#{SENTINEL_PASSWORD_ENV}=",
+            f"#{SENTINEL_PASSWORD_FILE_ENV}=/etc/dflash-queue/sentinel.password",
             "# S3 credentials for s3:// storage; leave them commented out to use an instance role.",
             "#AWS_ACCESS_KEY_ID=",
             "#AWS_SECRET_ACCESS_KEY=",

@@ -12,6 +12,7 @@ from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
 from dflash_queue.lanes.registry import FIRST_LANE, LANES
 from dflash_queue.queue.config import BrokerConfig
+from dflash_queue.runstate.redis_connect import kombu_broker
 
 if TYPE_CHECKING:  # a worker's runtime holds its engines: a command that only reads the broker never imports it
     from dflash_queue.queue.runtime import WorkerRuntime
@@ -37,7 +38,10 @@ def celery_settings(broker: BrokerConfig, source: str) -> dict:
     broker's URL is missing."""
     if not broker.url:
         raise ConfigError(f"{source}: broker.url is empty; set it (or {'DFQ_BROKER_URL'}) or use `dflash-queue run`")
+    # A Sentinel url becomes kombu's form, its master's name and the sentinels' password transport options.
+    broker_url, sentinel_options = kombu_broker(broker.connection_url())
     transport = {
+        **sentinel_options,
         "visibility_timeout": broker.visibility_timeout_s,
         # Messages of workers that died come back once older than the visibility timeout; look for them
         # every minute (or a quarter of a short timeout), not kombu's default of every 100 s.
@@ -48,7 +52,7 @@ def celery_settings(broker: BrokerConfig, source: str) -> dict:
         "health_check_interval": 25,
     }
     return {
-        "broker_url": broker.connection_url(),
+        "broker_url": broker_url,
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
         "broker_connection_max_retries": None,

@@ -13,17 +13,27 @@ from pydantic import Field, field_validator, model_validator
 from dflash_queue.config.sections import PositiveFloat, PositiveInt, Section
 from dflash_queue.errors import ConfigError
 from dflash_queue.redaction import redact
+from dflash_queue.runstate.redis_connect import SENTINEL_SCHEME, SentinelTarget, is_sentinel_url
 
 # Where the broker's password comes from, first found first: the password itself, a file holding it, then
 # broker.password_file. Never from the config file, which is copied to every node.
 PASSWORD_ENV = "DFQ_BROKER_PASSWORD"
 PASSWORD_FILE_ENV = "DFQ_BROKER_PASSWORD_FILE"
+# The sentinels' own password (Redis Sentinel's `requirepass`, which may differ from the primary's), the same way.
+SENTINEL_PASSWORD_ENV = "DFQ_SENTINEL_PASSWORD"
+SENTINEL_PASSWORD_FILE_ENV = "DFQ_SENTINEL_PASSWORD_FILE"
 
 
 class BrokerConfig(Section):
     url: str = ""
     """Empty: `dflash-queue run` starts a private redis-server; workers need a URL. No password here: it comes
-    from DFQ_BROKER_PASSWORD, DFQ_BROKER_PASSWORD_FILE or broker.password_file."""
+    from DFQ_BROKER_PASSWORD, DFQ_BROKER_PASSWORD_FILE or broker.password_file. Redis Sentinel (a broker that
+    survives losing its machine): `sentinel://HOST:PORT;sentinel://HOST:PORT;.../DB`, every sentinel's address,
+    with broker.sentinel_master (see docs/reliability.md, Redis Sentinel)."""
+    sentinel_master: str = ""
+    """With a `sentinel://` url: the name the sentinels monitor the primary under (`sentinel monitor NAME ...`).
+    The sentinels' own password, if they have one, comes from DFQ_SENTINEL_PASSWORD or the file
+    DFQ_SENTINEL_PASSWORD_FILE names; the primary's and replicas' from the broker's password settings."""
     username: str = ""
     """Redis ACL user to log in as (a least-rights worker user, see docs/operations.md); empty: Redis's default
     user (`requirepass`)."""
@@ -57,11 +67,32 @@ class BrokerConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sentinel_master_with_sentinel_url(self) -> BrokerConfig:
+        if is_sentinel_url(self.url) and not self.sentinel_master:
+            raise ValueError(
+                "a sentinel:// url needs sentinel_master: the name the sentinels monitor the primary under "
+                "(`sentinel monitor NAME HOST PORT QUORUM` in their config)"
+            )
+        if self.sentinel_master and not is_sentinel_url(self.url):
+            raise ValueError(
+                f"sentinel_master ({self.sentinel_master!r}) is set but url is not a sentinel:// URL: list the "
+                "sentinels' addresses as sentinel://HOST:PORT;sentinel://HOST:PORT/DB"
+            )
+        return self
+
     @field_validator("url")
     @classmethod
     def _redis_url_without_credentials(cls, url: str) -> str:
+        if is_sentinel_url(url):
+            for part in url.split(";"):
+                _check_sentinel_address(part)
+            return url
         if url and not url.startswith(("redis://", "rediss://", "redis+socket://", "unix://")):
-            raise ValueError(f"url must be a redis:// or rediss:// URL, got {redact(url)!r}")
+            raise ValueError(
+                f"url must be a redis:// or rediss:// URL, or sentinel://HOST:PORT;sentinel://HOST:PORT/DB for "
+                f"Redis Sentinel, got {redact(url)!r}"
+            )
         parts = urlsplit(url)
         if parts.password is not None:
             # Not even the URL goes in the message: it holds the password.
@@ -76,6 +107,19 @@ class BrokerConfig(Section):
                 f"{PASSWORD_ENV}, {PASSWORD_FILE_ENV} or broker.password_file"
             )
         return url
+
+    @property
+    def uses_sentinel(self) -> bool:
+        return is_sentinel_url(self.url)
+
+    def sentinel_password(self, env: Mapping[str, str] | None = None) -> str | None:
+        """The sentinels' own password: DFQ_SENTINEL_PASSWORD, else the file DFQ_SENTINEL_PASSWORD_FILE names
+        (read now, its first line); None when neither is set."""
+        environ: Mapping[str, str] = os.environ if env is None else env
+        if environ.get(SENTINEL_PASSWORD_ENV):
+            return environ[SENTINEL_PASSWORD_ENV]
+        path = environ.get(SENTINEL_PASSWORD_FILE_ENV, "")
+        return _read_password(path, SENTINEL_PASSWORD_FILE_ENV, "sentinels'") if path else None
 
     def password(self, env: Mapping[str, str] | None = None) -> str | None:
         """The broker's password: DFQ_BROKER_PASSWORD, else the file DFQ_BROKER_PASSWORD_FILE or
@@ -104,8 +148,11 @@ class BrokerConfig(Section):
 
     def connection_url(self, env: Mapping[str, str] | None = None) -> str:
         """`url` with the user and password put in (percent-encoded): what clients connect with. Never shown:
-        display `url`, which holds neither."""
+        display `url`, which holds neither. A Sentinel url also gets the master's name and the sentinels'
+        password (dflash_queue.runstate.redis_connect reads it)."""
         password = self.password(env)
+        if self.uses_sentinel:
+            return self._sentinel_target(password, self.sentinel_password(env)).url()
         if not self.url or (password is None and not self.username):
             return self.url
         parts = urlsplit(self.url)
@@ -115,14 +162,50 @@ class BrokerConfig(Section):
         return urlunsplit(parts._replace(netloc=f"{userinfo}@{parts.netloc}"))
 
 
-def _read_password(path: str, origin: str) -> str:
+    def _sentinel_target(self, password: str | None, sentinel_password: str | None) -> SentinelTarget:
+        parts = [urlsplit(part) for part in self.url.split(";")]
+        db = parts[-1].path.strip("/") or "0"
+        return SentinelTarget(
+            sentinels=tuple((p.hostname or "", p.port or 26379) for p in parts),
+            master_name=self.sentinel_master,
+            db=int(db),
+            username=self.username or None,
+            password=password,
+            sentinel_password=sentinel_password,
+        )
+
+
+def _check_sentinel_address(part: str) -> None:
+    """One `sentinel://HOST:PORT[/DB]` of a Sentinel url: no credentials, no query, a numeric database."""
+    parts = urlsplit(part)
+    shown = redact(part)
+    if parts.scheme != SENTINEL_SCHEME or not parts.hostname:
+        raise ValueError(f"each sentinel of url must be sentinel://HOST:PORT (joined by ';'), got {shown!r}")
+    if parts.username or parts.password is not None:
+        raise ValueError(
+            "url names a user or password: the primary's come from broker.username and "
+            f"{PASSWORD_ENV}/{PASSWORD_FILE_ENV}/broker.password_file, the sentinels' from {SENTINEL_PASSWORD_ENV} "
+            f"or {SENTINEL_PASSWORD_FILE_ENV}"
+        )
+    if parts.query:
+        raise ValueError(f"url {shown!r}: no query in a sentinel url; the master's name goes in broker.sentinel_master")
+    try:
+        parts.port  # noqa: B018 (a port that is not a number raises here)
+    except ValueError:
+        raise ValueError(f"url {shown!r}: the port of a sentinel must be a number") from None
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"url {shown!r}: the database after the last sentinel must be a number, got {db!r}")
+
+
+def _read_password(path: str, origin: str, whose: str = "broker") -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise ConfigError(f"{origin}: cannot read the broker password from {path}: {reason}") from None
+        raise ConfigError(f"{origin}: cannot read the {whose} password from {path}: {reason}") from None
     lines = text.splitlines()
     password = lines[0] if lines else ""
     if not password:
-        raise ConfigError(f"{origin}: the broker password file {path} is empty")
+        raise ConfigError(f"{origin}: the {whose} password file {path} is empty")
     return password

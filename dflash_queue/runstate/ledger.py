@@ -21,6 +21,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from dflash_queue.runstate.keys import RunKeys
+from dflash_queue.runstate.redis_connect import redis_client
 from dflash_queue.runstate.shard_states import CANARY_ERROR, DONE, FAILED, GENERATED, IN_PROGRESS_OR_DONE, QUEUED
 
 __all__ = ["CANARY_ERROR", "DONE", "FAILED", "GENERATED", "IN_PROGRESS_OR_DONE", "QUEUED", "Ledger"]
@@ -231,8 +232,9 @@ end
 
 
 def resilient_client(url: str) -> redis.Redis:
-    """A client that rides out a broker restart: commands retried with backoff for about a minute."""
-    return redis.Redis.from_url(
+    """A client that rides out a broker restart, or a Sentinel failover (a `sentinel://` URL: the primary found
+    again through the sentinels): commands retried with backoff for about a minute."""
+    return redis_client(
         url,
         decode_responses=True,
         retry=Retry(ExponentialBackoff(cap=8.0, base=0.25), retries=12),
