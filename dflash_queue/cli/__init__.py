@@ -21,6 +21,7 @@ EXTRA_OF_MODULE = {
     "botocore": "s3",
     "flower": "ops",
     "matplotlib": "ops",
+    "prometheus_client": "ops",
 }
 
 

@@ -1,4 +1,4 @@
-"""Commands that look at a node or a run: status and doctor."""
+"""Commands that look at a node or a run: status, metrics and doctor."""
 
 from __future__ import annotations
 
@@ -66,6 +66,46 @@ def status(config_path: Path, as_json: bool, watch: bool, interval: float, windo
 
 @click.command()
 @config_option
+@click.option("--port", type=click.IntRange(1, 65535), default=9464, show_default=True,
+              help="Port of the /metrics endpoint.")
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: every interface, for a Prometheus on another host).")
+@click.option("--window", "window_min", type=click.FloatRange(min=1, max=360), default=10.0, show_default=True,
+              help="Minutes of recent progress the rates and ETAs are measured over, as for status.")
+@click.option("--timeout", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Seconds to wait for workers to answer.")
+@click.option("--cache", "cache_s", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds a snapshot serves scrapes before the next is taken.")
+def metrics(config_path: Path, port: int, address: str, window_min: float, timeout: float, cache_s: float) -> None:
+    """Serve the run's figures (those of status) to Prometheus on http://ADDRESS:PORT/metrics until Ctrl-C."""
+    import threading
+
+    from dflash_queue.ops.metrics import StatusCollector, serve_metrics
+    from dflash_queue.ops.status import collect_status
+    from dflash_queue.stop_signals import stopped_by_signals
+
+    config = reading_broker(load(config_path), "metrics")
+    collector = StatusCollector(
+        config.run.name,
+        lambda: collect_status(config, window_s=window_min * 60, inspect_timeout=timeout),
+        cache_s=cache_s,
+    )
+    try:
+        server, _ = serve_metrics(collector, address=address, port=port)
+    except OSError as exc:
+        raise click.ClickException(f"cannot listen on {address}:{port}: {exc}") from None
+    click.echo(f"run {config.run.name}: metrics on http://{address}:{port}/metrics", err=True)
+    try:
+        with stopped_by_signals():  # SIGTERM and SIGHUP as Ctrl-C: the broker a finished job's data needs stops
+            threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.shutdown()
+
+
+@click.command()
+@config_option
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 @click.option("--warn-below-gb", type=float, default=20.0, show_default=True, help="Warn below this much free disk.")
 @click.option("--fail-below-gb", type=float, default=1.0, show_default=True, help="Fail below this much free disk.")
@@ -109,4 +149,4 @@ def doctor(
     sys.exit(1 if failed else 0)
 
 
-COMMANDS = [status, doctor]
+COMMANDS = [status, metrics, doctor]
