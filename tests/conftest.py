@@ -21,6 +21,7 @@ from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.forkserver import ForkServer, shared
 from dfq_testing.s3 import TEST_CREDENTIALS, LoopbackS3
 from dfq_testing.scheduling import GroupScheduling, order_longest_first
+from dfq_testing.sentinel import SentinelGroup
 from dfq_testing.servers import VllmServers
 from dfq_testing.tiny_model import build_tiny_model
 from dfq_testing.vllm_forkserver import forked_engine_cores
@@ -293,3 +294,12 @@ def s3_tables(s3_server: LoopbackS3, s3_bucket: str) -> dict[str, dict]:
         "storage": {"url": f"s3://{s3_bucket}/run"},
         "storage.s3": {"endpoint_url": s3_server.endpoint_url, "max_attempts": 3, "connect_timeout_s": 2.0},
     }
+
+
+@pytest.fixture
+def sentinel_group(tmp_path: Path) -> Iterator[SentinelGroup]:
+    """A primary, its replica and three sentinels on loopback (dfq_testing/sentinel.py), all stopped after the test;
+    broker.url is `sentinel_group.url`, broker.sentinel_master `MASTER_NAME`."""
+    group = SentinelGroup(tmp_path / "sentinel-group").start()
+    yield group
+    group.stop()
