@@ -28,8 +28,9 @@ from dflash_queue.reextraction import check_reextraction, stage_reextraction
 from dflash_queue.run_lock import RunLock
 from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
+from dflash_queue.runstate.server_waits import OutageNotices, ServerWaits
 from dflash_queue.runstate.window import ShardWindow
-from dflash_queue.shards.keys import SHARDS, stored_shard_ids
+from dflash_queue.shards.keys import CONSUMED, SHARDS, Listable, consumed_shard_ids, shard_id_of
 from dflash_queue.stop_signals import stopped_by_signals
 
 
@@ -52,6 +53,21 @@ class RunSummary:
     # Of the run's shards, those a reference audit made suspect, and why (not counted done).
     shards_suspect: dict[str, str] = field(default_factory=dict)
     audit_in_use: bool = False
+    # Of the shards done, those a trainer following the run consumed and storage.retention = "until-consumed"
+    # deleted: only their records (consumed/0/) are left.
+    shards_consumed: int = 0
+    consumed_records: str = ""
+
+    def _output(self) -> str:
+        if not self.shards_consumed:
+            return self.output
+        consumed = (
+            f"{self.shards_consumed} consumed by training and deleted (storage.retention = \"until-consumed\"), "
+            f"what each held recorded in {self.consumed_records}"
+        )
+        if self.shards_consumed >= self.shards_done:
+            return f"none left in {self.output}: all {consumed}"
+        return f"{self.output} ({consumed})"
 
     def _audit(self) -> str:
         c = self.counters
@@ -89,7 +105,7 @@ class RunSummary:
             f"canary:            {self._canary()}",
             f"audit:             {self._audit()}",
             f"elapsed:           {self.elapsed_s:.1f} s",
-            f"training shards:   {self.output}",
+            f"training shards:   {self._output()}",
         ]
         if self.report.problems.total:
             lines.append("bad records:")
@@ -167,17 +183,20 @@ def run_single_box(
     poll_s: float = 0.5,
     rebuild: bool = False,
     reextract_from: Config | None = None,
+    lock: RunLock | None = None,
 ) -> RunSummary:
     """`rebuild`: see `Producer.enqueue` (storage alone decides what is done; a run name made with another
     config is started over). `reextract_from`: instead of enqueueing `datasets`, extract that job's stored
     completions again with this config's extract settings (dflash_queue/reextraction.py): no generate worker.
+    `lock`: the state directory's RunLock, already acquired by the caller (the CLI takes it before its heavy
+    imports); released here once everything has stopped. Without it the run takes one itself.
 
     SIGINT, SIGTERM and SIGHUP stop it as Ctrl-C does (stop_signals.py): StopRequested is raised once the workers
     and the broker have stopped. Should this process die without stopping them (SIGKILL, a crash), a guard process
     stops them (queue/child_guard.py)."""
     with stopped_by_signals():
         return _run_single_box(config_path, config, datasets, console=console, poll_s=poll_s, rebuild=rebuild,
-                               reextract_from=reextract_from)
+                               reextract_from=reextract_from, lock=lock)
 
 
 def _run_single_box(
@@ -189,6 +208,7 @@ def _run_single_box(
     poll_s: float,
     rebuild: bool,
     reextract_from: Config | None,
+    lock: RunLock | None,
 ) -> RunSummary:
     if reextract_from is not None:
         check_reextraction(reextract_from, config)
@@ -199,7 +219,10 @@ def _run_single_box(
     state_dir = Path(config.run.state_dir)
     with ExitStack() as stack:
         # One run per state directory, held until everything below has stopped (the broker last).
-        lock = stack.enter_context(RunLock(state_dir, config.run.name))
+        if lock is None:
+            lock = stack.enter_context(RunLock(state_dir, config.run.name))
+        else:
+            stack.callback(lock.release)
         # Closed after everything below has stopped; stops what is left running if this process dies first.
         guard = stack.enter_context(ChildGuard(state_dir / "logs" / "guard.log"))
         if lock.stopped_leftovers:
@@ -259,12 +282,19 @@ def _run_single_box(
             pending = set(report.shard_ids)
             done_task = progress.add_task("complete (shards) ", total=len(pending))
             failed: dict[str, str] = {}
+            # A generate worker whose every inference server is down waits: said when it begins and when it ends.
+            outages = OutageNotices(ServerWaits(ledger.client, config.run.name))
             while True:
                 states = ledger.states(pending)
                 finished = {s for s, state in states.items() if state in (DONE, FAILED)}
-                progress.update(done_task, completed=len(finished))
+                for line in outages.lines(time.time()):
+                    progress.console.print(line)
+                outage = " waiting for servers" if outages.waiting else ""
+                progress.update(done_task, completed=len(finished), description=f"complete (shards) {outage}")
                 if len(finished) == len(pending):
                     failed = {s: ledger.failure(s) for s, state in states.items() if state == FAILED}
+                    for line in outages.over(time.time()):
+                        progress.console.print(line)
                     break
                 _check_alive(workers)
                 time.sleep(poll_s)
@@ -282,7 +312,8 @@ def _run_single_box(
         suspect = {s.shard: s.reason for s in AuditRecords(ledger.client, config.run.name).suspects()
                    if s.epoch == 0 and s.shard in pending}
         # Done is what storage holds, not what the ledger says.
-        stored = stored_shard_ids(producer.storage)
+        files, consumed = training_shards(producer.storage)
+        stored = files | consumed
     delta = {name: after.get(name, 0) - before.get(name, 0) for name in after}
     missing = sorted(pending - stored - set(failed))
     return RunSummary(
@@ -296,4 +327,13 @@ def _run_single_box(
         audit_in_use=AUDIT.in_use(config),
         output=f"{config.storage.url.rstrip('/')}/{SHARDS}/",
         canary_worst=canary_worst,
+        shards_consumed=len((pending & consumed) - files - set(suspect)),
+        consumed_records=f"{config.storage.url.rstrip('/')}/{CONSUMED}/0/",
     )
+
+
+def training_shards(storage: Listable) -> tuple[set[str], set[str]]:
+    """Ids of the run's training shards in storage: (those whose file is there, those consumed by training and
+    deleted, of which only a record is left)."""
+    files = {shard_id_of(key) for key in storage.list(SHARDS + "/")}
+    return files, consumed_shard_ids(storage, 0) - files

@@ -198,3 +198,33 @@ def test_ctrl_c_sigterm_sighup_and_sigkill_each_stop_every_process_of_the_job_an
     verified = subprocess.run([*command[:3], "verify", *command[4:]], capture_output=True, text=True, timeout=300)
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
     assert left_running(started_processes(tmp_path / "state")) == {}
+
+
+def test_the_summary_says_which_shards_training_consumed_and_where_their_records_are(tmp_path):
+    """A trainer followed the run with storage.retention = "until-consumed": the shards it consumed are gone from
+    shards/, only their records are left, and the summary says so instead of pointing at files that are not there."""
+    from dflash_queue.prompt_staging import EnqueueReport
+    from dflash_queue.shards.consumed import ConsumedShard
+    from dflash_queue.shards.keys import consumed_key, shard_key
+    from dflash_queue.single_box import RunSummary, training_shards
+    from dflash_queue.storage import open_storage
+
+    storage = open_storage(str(tmp_path / "out"))
+    storage.write_bytes(shard_key("kept"), b"a training shard")
+    for shard_id in ("eaten-1", "eaten-2"):
+        record = ConsumedShard(shard_id, 0, samples=["x"], flagged=[], dropped=[], num_tokens=12, consumers=["t"])
+        storage.write_bytes(consumed_key(shard_id, 0), record.to_json())
+    assert training_shards(storage) == ({"kept"}, {"eaten-1", "eaten-2"})
+
+    output, records = f"{tmp_path}/out/shards/", f"{tmp_path}/out/consumed/0/"
+    summary = RunSummary(EnqueueReport(), {}, 1.0, shards_done=3, output=output, shards_consumed=2,
+                         consumed_records=records)
+    (line,) = [line for line in summary.lines() if line.startswith("training shards:")]
+    assert line.endswith(f"{output} (2 consumed by training and deleted (storage.retention = \"until-consumed\"), "
+                         f"what each held recorded in {records})"), line
+    summary.shards_done = 2
+    (line,) = [line for line in summary.lines() if line.startswith("training shards:")]
+    assert f"none left in {output}: all 2 consumed by training and deleted" in line, line
+    summary.shards_consumed = 0
+    (line,) = [line for line in summary.lines() if line.startswith("training shards:")]
+    assert line == f"training shards:   {output}"

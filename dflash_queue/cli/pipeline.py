@@ -166,6 +166,22 @@ def run(datasets: tuple[Path, ...], config_path: Path, output: str | None, rebui
 
 
 def _run_job(config_path: Path, config, datasets: list[Path], **options) -> None:
+    from dflash_queue.run_lock import RunLock
+
+    # Taken before the heavy imports below (Celery, Transformers, torch): a second run of the same state directory
+    # is refused at once, not after them.
+    lock = RunLock(config.run.state_dir, config.run.name)
+    try:
+        lock.acquire()
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        _run_locked(config_path, config, datasets, lock=lock, **options)
+    finally:
+        lock.release()
+
+
+def _run_locked(config_path: Path, config, datasets: list[Path], **options) -> None:
     from dflash_queue.single_box import RunFailed, run_single_box
     from dflash_queue.stop_signals import StopRequested
 

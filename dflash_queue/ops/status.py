@@ -9,6 +9,12 @@ their engine kept failing its state checks are listed with the reason (`stopped_
 dflash_queue/runstate/stopped_workers.py) until a worker of the same name starts again. The reference audit, a side
 lane, has a section of its own when it is in use (ops/audit_status.py): its queue, workers and figures, and the
 suspect shards (the broker's records), which keep the run from being finished until they are extracted again.
+
+While a generate worker waits because every inference server it was given is down (runstate/server_waits.py), no
+lane has an ETA: each lane with work left shows it waits for the servers, since every lane downstream of generate
+starves with it. The throughput window leaves the outage out (its span ends where the outage began), so the rates
+shown are those of the work before it, not diluted by the pause. Once the servers are back, the pause stays in the
+window until it slides out of it.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import redis
 from kombu.transport.redis import PRIORITY_STEPS, Channel
@@ -29,7 +35,7 @@ from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.queue.liveness import Liveness
 from dflash_queue.redaction import redact
 from dflash_queue.runstate.audits import AuditRecords
-from dflash_queue.runstate.ledger import DONE, FAILED, Ledger
+from dflash_queue.runstate.ledger import DONE, FAILED, Ledger, WindowTotals
 from dflash_queue.runstate.server_waits import ServersDown, ServerWaits
 from dflash_queue.runstate.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.shards.keys import stored_shard_ids
@@ -80,6 +86,8 @@ class LaneStatus:
     # shards whose canary checked a sequence longer than the model's window.
     canary_untestable: int = 0
     canary_window: int = 0
+    # Work is left and a generate worker waits for its inference servers: no ETA (eta_s is None).
+    waiting_for_servers: bool = False
 
 
 @dataclass
@@ -200,6 +208,7 @@ def collect_status(
         suspects = find_suspects(AuditRecords(client, config.run.name))
     finally:
         client.close()
+    window = without_outage(window, servers_down, now)
     stored, storage_error = stored_shards(config.storage)
     missing = sorted(s for s, st in states.items() if st == DONE and s not in stored) if stored is not None else []
     if workers is None:
@@ -262,6 +271,9 @@ def collect_status(
                 status.eta_s = None
             elif status.eta_s is not None:
                 status.eta_s = max(status.eta_s, status.held_back_in_s + len(dead_held) / shard_rate)
+        if servers_down and pending:
+            status.waiting_for_servers = True
+            status.eta_s = None
         lanes[name] = status
 
     audit_spec = LANES["audit"]
@@ -298,6 +310,15 @@ def collect_status(
         servers_down=servers_down,
         audit=audit,
     )
+
+
+def without_outage(window: WindowTotals, servers_down: list[ServersDown], now: float) -> WindowTotals:
+    """The window cut where the current outage began: nothing can move while every server is down, so the pause
+    says nothing of the rate."""
+    if not servers_down:
+        return window
+    down_s = now - min(wait.since for wait in servers_down)
+    return replace(window, span_s=max(0.0, window.span_s - max(0.0, down_s)))
 
 
 def stored_shards(settings: StorageConfig) -> tuple[set[str] | None, str | None]:

@@ -16,9 +16,10 @@ from dflash_queue.quality.gate import gate_summary
 
 
 def status_table(status: RunStatus) -> Group:
-    title = (
-        f"run [bold]{status.run}[/bold] · broker {status.broker} · "
-        f"throughput over the last {humanize.duration(status.window_span_s)}"
+    span = humanize.duration(status.window_span_s)
+    title = f"run [bold]{status.run}[/bold] · broker {status.broker} · " + (
+        f"throughput over the {span} before the inference servers went down" if status.servers_down
+        else f"throughput over the last {span}"
     )
     table = Table(title=title, title_justify="left", show_lines=False)
     table.add_column("")
@@ -81,6 +82,12 @@ def status_table(status: RunStatus) -> Group:
         )
     elif not any(lane.shards_total for lane in status.lanes.values()):
         footer = Text(f"nothing enqueued yet for run {status.run}")
+    elif status.servers_down:
+        since = min(wait.since for wait in status.servers_down)
+        footer = Text(
+            f"run ETA: waiting for servers (every inference server down for {humanize.duration(status.time - since)})",
+            style="yellow",
+        )
     else:
         footer = Text(f"run ETA (the slower lane): {humanize.duration(status.eta_s)}")
     return Group(table, *notes, footer)
@@ -91,6 +98,8 @@ def _eta(s: LaneStatus) -> str:
         return "—"
     if s.shards_remaining == 0:
         return "done"
+    if s.waiting_for_servers:
+        return "waiting for servers"
     if s.eta_s is None:
         return "unknown (no progress in the window)"
     return humanize.duration(s.eta_s)

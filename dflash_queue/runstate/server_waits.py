@@ -3,7 +3,8 @@
 A worker on the inference-server engine (`generate.engine = "server"`) whose every server is down does not fail
 its tasks: it waits for a server to come back. While it waits, a thread of the worker keeps a record under
 `dfq:{run}:servers_down:{worker}` (JSON: since when, and why per server), refreshed every few seconds and
-expiring soon after the worker stops refreshing it (the servers came back, or the worker is gone).
+expiring soon after the worker stops refreshing it (the servers came back, or the worker is gone). `run` prints a
+line when such a wait begins and one when it ends (`OutageNotices`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -36,11 +38,33 @@ class ServersDown:
     servers: dict[str, str]  # URL -> why it is down
 
     def describe(self, now: float) -> str:
-        reasons = "; ".join(f"{url}: {why}" for url, why in self.servers.items())
         return (
             f"generate worker {self.worker} waits: every inference server has been down for "
-            f"{max(0, int(now - self.since))} s ({reasons})"
+            f"{self.down_for_s(now)} s ({self.reasons()})"
         )
+
+    def began(self) -> str:
+        return (
+            f"generate worker {self.worker} waits: every inference server is down since {clock(self.since)} "
+            f"({self.reasons()}); its tasks wait, none fails"
+        )
+
+    def ended(self, now: float) -> str:
+        return (
+            f"generate worker {self.worker}: an inference server is back after {self.down_for_s(now)} s down; "
+            "generation goes on"
+        )
+
+    def down_for_s(self, now: float) -> int:
+        return max(0, int(now - self.since))
+
+    def reasons(self) -> str:
+        return "; ".join(f"{url}: {why}" for url, why in self.servers.items())
+
+
+def clock(moment: float) -> str:
+    """A time of day in local time, as a terminal next to it shows it."""
+    return time.strftime("%H:%M:%S", time.localtime(moment))
 
 
 class ServerWaits:
@@ -67,6 +91,27 @@ class ServerWaits:
             record = json.loads(raw)
             found.append(ServersDown(key[len(self.prefix) :], float(record["since"]), dict(record["servers"])))
         return found
+
+
+class OutageNotices:
+    """What `run` prints of the waits: a line when a worker's wait begins and one when it ends, each once."""
+
+    def __init__(self, waits: ServerWaits) -> None:
+        self.waits = waits
+        self.waiting: dict[str, ServersDown] = {}
+
+    def lines(self, now: float) -> list[str]:
+        current = {wait.worker: wait for wait in self.waits.all()}
+        began = [wait.began() for worker, wait in current.items() if worker not in self.waiting]
+        ended = [wait.ended(now) for worker, wait in self.waiting.items() if worker not in current]
+        self.waiting = current
+        return ended + began
+
+    def over(self, now: float) -> list[str]:
+        """The work was done: any wait still on record has ended (its record outlives it by a refresh)."""
+        ended = [wait.ended(now) for wait in self.waiting.values()]
+        self.waiting = {}
+        return ended
 
 
 def worker_name() -> str:

@@ -188,6 +188,38 @@ def test_work_held_by_a_dead_worker_is_stranded_never_moving(make_config, redis_
     assert "2 stranded, held by a dead worker (back on the queue in 6 min)" in _render(status)
 
 
+def test_while_every_server_is_down_there_is_no_countdown_and_the_outage_is_not_in_the_rate(make_config, redis_url):
+    """A generate worker waits for its inference servers: each lane with work left shows it waits instead of an ETA,
+    the run's ETA is no number, and the throughput is measured up to the outage, not diluted by it."""
+    from dflash_queue.runstate.server_waits import ServerWaits
+
+    config = make_config()
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    ledger = Ledger(client, config.run.name)
+    now = 1_800_000_000.0
+    for index in range(10):
+        ledger.set_state(f"s{index}", DONE if index < 4 else "queued", num_samples=8)
+    ledger.add({"enqueued_samples": 80}, now=now - 300)
+    ledger.add({"generate_shards": 4, "extract_shards": 4}, now=now - 200)
+    waits = ServerWaits(client, config.run.name)
+    waits.note("host:7", now - 100, {"http://10.0.0.9:30000": "cannot connect"}, ttl_s=600)
+
+    status = collect_status(config, window_s=600, workers=WorkerView(), now=now)
+    gen, ext = status.lanes["generate"], status.lanes["extract"]
+    assert gen.waiting_for_servers and ext.waiting_for_servers and gen.eta_s is None and status.eta_s is None
+    assert status.window_span_s == pytest.approx(200.0)  # up to the outage: 4 shards in 200 s, not in 300 s
+    text = " ".join(_render(status).split())
+    assert "run ETA: waiting for servers (every inference server down for" in text, text
+    assert re.search(r"ETA │ waiting for servers │ waiting for servers │", text), text
+    assert "before the inference servers went down" in text
+    assert "generate worker host:7 waits: every inference server has been down for 100 s" in text
+
+    waits.clear("host:7")  # the servers are back: a countdown again, at the rate over the whole window
+    status = collect_status(config, window_s=600, workers=WorkerView(), now=now)
+    assert not status.lanes["generate"].waiting_for_servers and status.window_span_s == pytest.approx(300.0)
+    assert status.eta_s == pytest.approx(6 / (4 / 300))
+
+
 def test_queue_depth_counts_priority_queues_and_unacked_by_lane(redis_url):
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     client.rpush("generate", "a", "b")
