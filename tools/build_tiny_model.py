@@ -3,6 +3,9 @@
 
 Usage: python tools/build_tiny_model.py OUT_DIR [--layers N] [--seed S] [--hidden-size H]
                                         [--eos-stop-probability P] [--overwrite]
+
+Prints the model's directory on stdout (for scripts), and on stderr what was built there, or that the build was
+already there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ if str(REPO_ROOT) not in sys.path:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from dfq_testing.tiny_model import build_tiny_model  # noqa: E402
+from dfq_testing.tiny_model import MARKER_FILE, build_tiny_model  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing build or directory")
     args = parser.parse_args(argv)
+    already_built = not args.overwrite and (args.out_dir / MARKER_FILE).is_file()
     try:
         path = build_tiny_model(
             args.out_dir,
@@ -47,6 +51,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (FileExistsError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
+    settings = (
+        f"{args.layers} layer(s), hidden size {args.hidden_size}, seed {args.seed}, <|im_end|> probability "
+        f"{args.eos_stop_probability}"
+    )
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if already_built:
+        print(f"{path} already holds this tiny model ({settings}): nothing built", file=sys.stderr)
+    else:
+        print(
+            f"built a tiny random-weight Qwen3 model ({settings}; {weights / 1e6:.1f} MB of weights) and its "
+            f"tokenizer in {path}: give it as model.path (worker_configs/local-cpu.toml reads .cache/tiny-qwen3)",
+            file=sys.stderr,
+        )
     print(path)
     return 0
 
