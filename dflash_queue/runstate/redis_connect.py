@@ -12,11 +12,12 @@ primary died reconnects to the promoted replica once its connection breaks. The 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote, unquote, urlencode, urlsplit
 
-import redis
-from redis.sentinel import Sentinel
+if TYPE_CHECKING:  # redis is the worker extra's: the config parses Sentinel URLs without it
+    import redis
+    from redis.sentinel import Sentinel
 
 SENTINEL_SCHEME = "sentinel"
 MASTER_NAME_PARAM = "master_name"
@@ -66,6 +67,8 @@ class SentinelTarget:
 
     def sentinel(self, **options: Any) -> Sentinel:
         """A Sentinel over these sentinels; `options` (timeouts, retries) apply to the primary's connections."""
+        from redis.sentinel import Sentinel
+
         socket_options = {k: v for k, v in options.items() if k.startswith("socket_")}
         return Sentinel(list(self.sentinels), sentinel_kwargs=self.sentinel_kwargs(**socket_options), **options)
 
@@ -108,6 +111,8 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
 
 def redis_client(url: str, **options: Any) -> redis.Redis:
     """A client of the broker at `url` (plain or Sentinel); `options` are redis-py's client options."""
+    import redis
+
     if is_sentinel_url(url):
         return parse_sentinel_url(url).master_client(**options)
     return redis.Redis.from_url(url, **options)
