@@ -63,6 +63,7 @@ class Heartbeat:
         self.on_beat: list[Callable[[], object]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="dfq-heartbeat", daemon=True)
+        self._succeeded = False
 
     def refuse_live_namesakes(self) -> None:
         """Raise NodeNameInUse, naming them, when live workers run under this node name; called before this worker
@@ -106,10 +107,17 @@ class Heartbeat:
                 "succeeding %s: put back %d message(s) it held (%s)", predecessor.describe(), len(mine),
                 ", ".join(f"{m.queue} task {m.task_id}, shard {m.shard_id}" for m in mine) or "none unacknowledged",
             )
+        # Said once per start, found or not: a restarted worker's log tells whether it took over anything.
+        log.info(
+            "put back %d task(s) of its predecessor(s) under node name %s (%d earlier worker(s) gone)",
+            len(restored), self.node, len(predecessors),
+        )
+        self._succeeded = True
         return restored
 
     def start(self) -> None:
-        self.succeed_predecessors()
+        if not self._succeeded:  # the worker's start-up did it, unless the broker failed it then
+            self.succeed_predecessors()
         try:
             self.liveness.register(self.incarnation)
         except Exception:

@@ -129,6 +129,9 @@ def test_a_worker_restarted_at_once_under_its_name_puts_back_what_its_predecesso
     wait_until(lambda: put_back(ledger, held, killed_wall), 60, "the predecessor's tasks back on the queue", [successor])
     assert time.monotonic() - killed_at < 60
     assert "succeeding extract-0@box" in successor.log_tail(20000)
+    (said,) = [line for line in successor.log_tail(20000).splitlines() if "of its predecessor(s)" in line]
+    assert "INFO/" in said and "put back 3 task(s) of its predecessor(s) under node name extract-0@box (1 earlier " \
+        "worker(s) gone)" in said, said
     wait_until(lambda: redelivered(ledger, held), 120, "the predecessor's tasks delivered again", [successor])
     wait_for_states(ledger, shard_ids, {DONE}, timeout=180, workers=[successor])
     assert Liveness(ledger.client, config.run.name, 30).held() == []
