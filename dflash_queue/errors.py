@@ -21,7 +21,7 @@ class UnsupportedArchitecture(ConfigError):
 class ReferenceMismatch(UnsupportedArchitecture):
     """An engine's states differ from the checkpoint's own forward by more than rounding explains: the worker that
     holds it must not serve (it stops with exit status 78, which the process manager does not restart). `comparison`
-    says, entry by entry, by how much (engines/reference_check.py)."""
+    says, entry by entry, by how much (engines/reference/check.py)."""
 
     def __init__(self, message: str, comparison: object = None) -> None:
         super().__init__(message)

@@ -165,7 +165,7 @@ def applied_extract_faults() -> ExtractFaults | None:
 
 
 def vllm_states_faults() -> dict:
-    """What the extract lane's vLLM connector alters (see engines/vllm_states_connector.py); {} normally."""
+    """What the extract lane's vLLM connector alters (see engines/vllm/states_connector.py); {} normally."""
     faults = _faults().get("extract_vllm_states", {})
     if not isinstance(faults, dict):
         raise ValueError(f"{ENV}: extract_vllm_states must be a JSON object, got {faults!r}")

@@ -3,7 +3,7 @@
 The package has faults of its own (the connector's `kv_connector_extra_config["faults"]`, dflash_queue/faults.py);
 these share nothing with them: nothing in `dflash_queue` is changed, its faults and settings are unused. A process
 started with `SITE_DIR` on PYTHONPATH and `RULES_ENV` holding a JSON list of rules runs `SITE_DIR/sitecustomize.py`
-as it starts, which puts an import hook first in `sys.meta_path`: when `dflash_queue.engines.vllm_states_connector`
+as it starts, which puts an import hook first in `sys.meta_path`: when `dflash_queue.engines.vllm.states_connector`
 is imported (by vLLM's engine core or model worker, a `dflash-queue worker`, `run` ...),
 `HiddenStatesConnector._gather` and `_send` are wrapped before anyone uses the class. Without the variable the hook
 is not installed and nothing is imported. The rules are read once, as the process starts (a process forked from it
@@ -67,7 +67,7 @@ from typing import Any
 
 RULES_ENV = "DFQ_TEST_CONNECTOR_FAULTS"
 SITE_DIR = Path(__file__).resolve().with_name("connector_faults_site")
-TARGET_MODULE = "dflash_queue.engines.vllm_states_connector"
+TARGET_MODULE = "dflash_queue.engines.vllm.states_connector"
 TARGET_CLASS = "HiddenStatesConnector"
 # Set on the wrapped class: the rules it was wrapped with (what a test reads to see that a process has the patch).
 PATCHED_ATTR = "_dfq_outside_faults"

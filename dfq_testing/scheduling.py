@@ -18,7 +18,7 @@ from xdist.scheduler import LoadScopeScheduling
 SPLIT_BY_FAMILY = (
     "tests/test_conformance.py",
     "tests/test_end_to_end_vllm_extract.py",
-    "tests/engines/test_vllm_extract_bfloat16.py",
+    "tests/engines/vllm/test_vllm_extract_bfloat16.py",
 )
 # The longest modules, longest first (wall time in one process on the 2-core dev machine, 2026-12-05); the rest
 # follow in collection order.
@@ -27,14 +27,14 @@ LONGEST_FIRST = (
     "tests/test_end_to_end_vllm_extract.py",
     "tests/test_end_to_end_suspects.py",
     "tests/tools/test_gpu_check.py",
-    "tests/engines/test_server_generate.py",
+    "tests/engines/server/test_server_generate.py",
     "tests/test_end_to_end_vllm.py",
     "tests/test_end_to_end.py",
     "tests/live/test_live_run.py",
     "tests/queue/test_heartbeat.py",
     "tests/tools/test_bench_extract.py",
     "tests/tools/test_soak.py",
-    "tests/engines/test_vllm_extract_bfloat16.py",
+    "tests/engines/vllm/test_vllm_extract_bfloat16.py",
     "tests/engines/test_canary_trained.py",
     "tests/dfq_testing/test_connector_faults.py",
     "tests/faults/test_kill.py",
@@ -42,7 +42,7 @@ LONGEST_FIRST = (
     "tests/test_end_to_end_vllm_tensor_parallel.py",
     "tests/engines/test_engines_agree.py",
     "tests/ops/test_planner.py",
-    "tests/engines/test_vllm_generate.py",
+    "tests/engines/vllm/test_vllm_generate.py",
     "tests/doctor/test_extract_states.py",
     "tests/faults/test_canary.py",
     "tests/test_reextract.py",

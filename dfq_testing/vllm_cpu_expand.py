@@ -3,7 +3,7 @@
 The CPU build's kernel (vllm.utils.cpu_triton_utils._expand_kernel_impl) writes into an int64 copy of its output,
 so the rejection sampler's per-position temperature, top_p and top_k are left as uninitialised memory: sampled
 replies are neither seeded nor from the configured distribution, and a top_k crashes the engine (the generate
-engine refuses that combination on such a build: `vllm_generate.check_platform`). The GPU build's Triton kernel
+engine refuses that combination on such a build: `engines/vllm/generate.check_platform`). The GPU build's Triton kernel
 writes its output in place; this does the same in PyTorch, so that tests on the CPU build can check what
 dflash_queue itself decides (whether the generate engine accepts the build).
 

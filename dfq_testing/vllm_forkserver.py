@@ -1,6 +1,6 @@
 """vLLM engine cores forked from a server that has imported vLLM, for engines a test starts in its own process.
 
-The product's engines start vLLM's engine core with the spawn method (engines/vllm_runtime.prepare_environment):
+The product's engines start vLLM's engine core with the spawn method (engines/vllm/runtime.prepare_environment):
 each engine core imports vLLM again, about 12 CPU-seconds on the 2-core dev machine (`import vllm.v1.engine.core`,
 2026-12-06), and a test process starts several engines. Inside `forked_engine_cores()` they are forked from
 multiprocessing's fork server instead, with `PRELOAD` imported once per test process; the engines and what they

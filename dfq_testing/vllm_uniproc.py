@@ -28,7 +28,7 @@ def uniproc_executor() -> Iterator[None]:
     vLLM's platform switches the uniprocess executor to its multiprocess one (a model worker in a third process)
     unless VLLM_ENABLE_V1_MULTIPROCESSING is 0 (`CpuPlatform.check_and_update_config`), which this sets: one
     process importing vLLM less per engine start, about 12 core-seconds on the 2-core dev machine. An engine may
-    outlive the block. tests/engines/test_vllm_generate.py, the tensor-parallel tests, `run` on the vLLM extract
+    outlive the block. tests/engines/vllm/test_vllm_generate.py, the tensor-parallel tests, `run` on the vLLM extract
     engine, the shipped CPU configs and the doctor's keep the CPU build's own layout."""
     try:
         with pytest.MonkeyPatch.context() as patch:

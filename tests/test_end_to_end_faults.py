@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 
 from dflash_queue.config import load_config
 from dflash_queue.engines.base import ExtractionRequest
-from dflash_queue.engines.reference_check import require_agreement
-from dflash_queue.engines.vllm_extract import VllmStateExtractor
+from dflash_queue.engines.reference.check import require_agreement
+from dflash_queue.engines.vllm.extract import VllmStateExtractor
 from dflash_queue.errors import ReferenceMismatch
 from dflash_queue.lanes.audit import AuditLane, audit_lane_settings
 from dflash_queue.lanes.extract import ExtractLane, extract_lane_settings, vllm_extract_settings

@@ -3,7 +3,7 @@
 The workers' engines run their model in the engine core's process, the layout vLLM gives one GPU
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0` in generate.vllm.env; on a CPU vLLM otherwise adds a model worker process,
 whose reader spins beside the engine core's on a machine with few cores). The CPU build's own layout is under test
-in tests/engines/test_vllm_generate.py, the tensor-parallel tests and `run` on the vLLM extract engine."""
+in tests/engines/vllm/test_vllm_generate.py, the tensor-parallel tests and `run` on the vLLM extract engine."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Sample
-from dflash_queue.engines.vllm_generate import request_seed
+from dflash_queue.engines.base import request_seed
 from dflash_queue.lanes.registry import EXTRACT, GENERATE
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app

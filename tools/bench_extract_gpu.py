@@ -45,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash_queue.engines.hf_extract import ExtractionRequest, HiddenStateExtractor  # noqa: E402
+from dflash_queue.engines.hf.extract import ExtractionRequest, HiddenStateExtractor  # noqa: E402
 from dflash_queue.engines.layers import resolve_layer_ids  # noqa: E402
 from dflash_queue.engines.state_checks import compare_states  # noqa: E402
 

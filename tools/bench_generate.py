@@ -58,8 +58,8 @@ from dflash_queue.data.chat_template import ChatFormatter  # noqa: E402
 from dflash_queue.data.readers import read_dataset  # noqa: E402
 from dflash_queue.data.samples import Sample  # noqa: E402
 from dflash_queue.engines.base import GenerationRequest  # noqa: E402
-from dflash_queue.engines.vllm_generate import engine_args, request_seed, sampling_kwargs  # noqa: E402
-from dflash_queue.engines.vllm_runtime import prepare_environment  # noqa: E402
+from dflash_queue.engines.vllm.generate import engine_args, request_seed, sampling_kwargs  # noqa: E402
+from dflash_queue.engines.vllm.runtime import prepare_environment  # noqa: E402
 from dflash_queue.lanes.turns import split_turns  # noqa: E402
 from dflash_queue.producer import Producer  # noqa: E402
 from dflash_queue.queue.app import configure_app  # noqa: E402
@@ -255,7 +255,7 @@ def direct_client(
     import aiohttp
     from transformers import AutoTokenizer
 
-    from dflash_queue.engines.server_protocols import GenerationParams, VllmCompletions
+    from dflash_queue.engines.server.protocols import GenerationParams, VllmCompletions
 
     formatter = ChatFormatter(AutoTokenizer.from_pretrained(config.model.tokenizer_path))
     sampling = config.generate.sampling

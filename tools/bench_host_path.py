@@ -5,13 +5,13 @@ One sample of the given shape ([tokens, layers, hidden] in --dtype, on --device)
 
 * copy:         the same bytes copied into host memory mapped beforehand (on CUDA: pinned, from the device): the
                 machine's copy bandwidth, which no path that copies the bytes once can pass;
-* transformers: the Transformers engine's hand-over (engines/hf_extract.py): `finish_pass` reduces the token
+* transformers: the Transformers engine's hand-over (engines/hf/extract.py): `finish_pass` reduces the token
                 statistics where the states are (on CUDA it also copies states and statistics to pinned host
                 memory on a side stream), `hand_over` checks and summarises them, and the shard writer stores the
                 states in a local shard file (`TrainingShardWriter.write` + `finish`);
 * vllm:         the vLLM engine's, from its hidden-state cache ([blocks, K, block size, H] on the device, the
                 sample's rows in scattered blocks) to the same shard: the connector's `StatesSender.send`
-                (engines/vllm_states_sender.py: the rows gathered, their statistics, on CUDA the copy to pinned host
+                (engines/vllm/states_sender.py: the rows gathered, their statistics, on CUDA the copy to pinned host
                 memory and the writing thread, the transfer file in a tmpfs), then the worker's `receive_states`
                 (the file mapped, checked from its token ids and statistics), the finiteness check and summary its
                 capture makes, and the writer. "connector" is the first part alone (vLLM's process).
@@ -52,11 +52,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dflash_queue.engines.base import CapturedStates, ExtractionRequest  # noqa: E402
-from dflash_queue.engines.hf_extract import finish_pass, hand_over  # noqa: E402
+from dflash_queue.engines.hf.extract import finish_pass, hand_over  # noqa: E402
 from dflash_queue.engines.layers import resolve_layer_ids  # noqa: E402
 from dflash_queue.engines.passes import all_finite, summarize  # noqa: E402
-from dflash_queue.engines.vllm_states_file import receive_states  # noqa: E402
-from dflash_queue.engines.vllm_states_sender import StatesSender, StatesTransfer  # noqa: E402
+from dflash_queue.engines.vllm.states_file import receive_states  # noqa: E402
+from dflash_queue.engines.vllm.states_sender import StatesSender, StatesTransfer  # noqa: E402
 from dflash_queue.shards.training import ShardInfo, TrainingShard  # noqa: E402
 from dflash_queue.shards.training_writer import ShardRow, TrainingShardWriter  # noqa: E402
 

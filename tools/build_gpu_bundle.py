@@ -379,7 +379,7 @@ def unpack(wheel: Path, target: Path) -> None:
 
 
 IMPORT_CHECK = (
-    "import dflash_queue, dflash_queue.config, dflash_queue.lanes.extract, dflash_queue.engines.hf_extract, "
+    "import dflash_queue, dflash_queue.config, dflash_queue.lanes.extract, dflash_queue.engines.hf.extract, "
     "dflash_queue.storage, dflash_queue.training; print(dflash_queue.__file__)"
 )
 

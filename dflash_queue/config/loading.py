@@ -28,7 +28,7 @@ from dflash_queue.engines.config import (
     SamplingConfig,
     VllmConfig,
 )
-from dflash_queue.engines.vllm_args import NESTED_KEY_ERROR, output_args
+from dflash_queue.engines.engine_args import NESTED_KEY_ERROR, output_args
 from dflash_queue.errors import ConfigError
 from dflash_queue.lanes.config import AuditConfig, ExtractConfig
 from dflash_queue.ops.config import FlowerConfig
@@ -140,7 +140,7 @@ class Config(Section):
 
     def engine_output_args(self) -> dict[str, dict[str, Any]]:
         """Per lane whose engine is vLLM, the engine_args that may change its outputs (speculative decoding,
-        quantization, KV-cache dtype, ...: all but vllm_args.OPERATIONAL); lanes with none left out."""
+        quantization, KV-cache dtype, ...: all but engine_args.OPERATIONAL); lanes with none left out."""
         found = {}
         if self.generate.engine == "vllm":
             found["generate"] = output_args(self.generate.vllm.engine_args)

@@ -1,5 +1,5 @@
 """The vLLM extract engine started as a worker starts it, for `doctor`: its canary calibrated, and its states of a
-probe batch compared at every captured entry with the checkpoint's own Transformers forward (engines/reference_check.py),
+probe batch compared at every captured entry with the checkpoint's own Transformers forward (engines/reference/check.py),
 which it refuses to start beyond the dtype's rounding; with that comparison turned off, the check warns. Only when extract.engine = "vllm" and the checkpoint's weights are on this
 node; it takes what a worker's engine takes (its GPUs, its memory), so `doctor --skip-engine-start` leaves it out
 on a node whose workers already hold them."""

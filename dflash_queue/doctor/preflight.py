@@ -23,7 +23,7 @@ from dflash_queue.doctor.storage import check_configured_storage
 from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
 from dflash_queue.doctor.workers import check_worker_settings
-from dflash_queue.engines.vllm_args import speculative_method
+from dflash_queue.engines.engine_args import speculative_method
 from dflash_queue.lanes.config import ExtractConfig
 from dflash_queue.lanes.extract import vllm_extract_settings
 from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
@@ -119,7 +119,7 @@ def _extract_engine_checks(config: Config) -> list[Check]:
 
 def _start_extract_engine(config: Config) -> Any:
     """The vLLM extract engine, started as an extract worker starts it."""
-    from dflash_queue.engines.vllm_extract import VllmStateExtractor
+    from dflash_queue.engines.vllm.extract import VllmStateExtractor
 
     return VllmStateExtractor(vllm_extract_settings(config))
 

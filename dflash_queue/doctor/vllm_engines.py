@@ -13,7 +13,7 @@ from typing import Any
 
 from dflash_queue.doctor.result import Check
 from dflash_queue.engines.config import ExtractVllmConfig
-from dflash_queue.engines.vllm_support import (
+from dflash_queue.engines.vllm.support import (
     DEFAULT_TRANSFER_DIR,
     FORCED_SETTINGS,
     VllmExtractSettings,

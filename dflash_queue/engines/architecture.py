@@ -12,7 +12,7 @@ Decided from the config alone (so `doctor` can say it without loading weights), 
 * refused: encoder-decoder or bidirectional models, which have no causal decoder states to condition a drafter.
 
 The engine confirms the choice at load with a probe (packed against one sequence at a time) and falls back to
-"padded" if packing is not exact after all; see `hf_extract`.
+"padded" if packing is not exact after all; see `hf/extract.py`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ LINEAR_ATTENTION = "linear_attention"
 SEGMENTABLE_LINEAR_ATTENTION = frozenset({"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"})
 # Text decoders the conformance suite proves packed (tests/test_conformance.py). Another model type is packed only
 # when its config declares no token mixer beyond those the packed path applies (`undeclared_mixers`) and the load
-# probe reaches past every mixer's span (extract_probe.py).
+# probe reaches past every mixer's span (hf/probe.py).
 PROVEN_PACKED = frozenset({
     "qwen3", "llama", "qwen3_moe", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "mistral", "gemma2",
     "gemma3_text", "gpt_oss", "deepseek_v3", "qwen3_vl_text",

@@ -1,11 +1,13 @@
 """The engine protocols of the two lanes. Engines take token ids: templating happens before.
 
 A generate engine returns token ids; an extract engine returns each sequence's hidden states at the captured
-layers. Each lane has two implementations (Transformers and vLLM) behind its protocol.
+layers. The generate lane has three implementations behind its protocol (Transformers, vLLM, inference servers:
+`engines/hf`, `engines/vllm`, `engines/server`), the extract lane two (Transformers, vLLM).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -35,6 +37,15 @@ class Generation:
     # "stop" (end-of-sequence token or stop string) or "length" (token budget exhausted).
     finish_reason: str
     text: str
+
+
+def request_seed(base_seed: int, sample_id: str, attempt: int = 0) -> int:
+    """The sampling seed of one request: fixed per sample (a re-delivered task regenerates the same reply),
+    unrelated between samples (one shared seed would make every reply draw the same random numbers), and new
+    for a quality-gate retry (which must be sampled afresh, not replayed)."""
+    key = f"{base_seed}:{sample_id}" + (f"#{attempt}" if attempt else "")
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class GenerateEngine(Protocol):

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator, model_validator
 
 from dflash_queue.config.sections import LayerIds, PositiveFloat, PositiveInt, Section, StrTuple
-from dflash_queue.engines.vllm_args import EXTRACT_REFUSED, GENERATE_REFUSED, check_engine_args, speculative_method
+from dflash_queue.engines.engine_args import EXTRACT_REFUSED, GENERATE_REFUSED, check_engine_args, speculative_method
 from dflash_queue.errors import ConfigError
 
 
@@ -90,7 +90,7 @@ class VllmEngineSettings(Section):
     """Any other of vLLM's engine arguments (`AsyncEngineArgs` fields), checked against the installed vLLM when the
     config loads: e.g. speculative_config = { method = "mtp", num_speculative_tokens = 2 }, quantization = "fp8",
     kv_cache_dtype = "fp8". Keys this section or the project sets are refused, saying where they are set. Every key
-    but a few that only change speed, memory or logging (vllm_args.OPERATIONAL) enters the run's fingerprint and
+    but a few that only change speed, memory or logging (engine_args.OPERATIONAL) enters the run's fingerprint and
     the training shards' metadata; docs/vllm.md says what each changes."""
 
     # engine_args keys the project sets itself in this lane, and why.

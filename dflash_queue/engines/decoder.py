@@ -8,7 +8,7 @@ mapped away (`key_mapping`), so no vision tower is built or read.
 Every load asks Transformers which weights it did not find: a decoder with a weight left at its random
 initialisation computes states that look plausible and are worthless, so a missing weight refuses the load.
 
-For generation, `text_causal_lm.load_causal_lm` puts this decoder under its LM head.
+For generation, `hf/causal_lm.load_causal_lm` puts this decoder under its LM head.
 """
 
 from __future__ import annotations

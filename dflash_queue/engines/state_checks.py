@@ -56,7 +56,7 @@ TOLERANCE_CEILINGS = {torch.float32: 1e-2, torch.float64: 1e-5, torch.bfloat16: 
 # a state swapped with another request's differs by 1.24-1.55 at its worst token past the shared prefix (a median
 # of 0.9-1.0), where the whole sample moves by 0.07-0.10. On vLLM's CPU build Qwen3-Next (random weights, linear
 # attention and experts whose choice flips batched) differs batched from alone by 0.27 at its worst token, a
-# swapped request by 2.1-2.3 (tests/engines/test_vllm_extract_bfloat16.py). The bfloat16 floor covers a rounding
+# swapped request by 2.1-2.3 (tests/engines/vllm/test_vllm_extract_bfloat16.py). The bfloat16 floor covers a rounding
 # that a calibration with bit-identical probes never saw; the ceiling lies below a swapped request's worst token,
 # with room above Qwen3-Next's noise. (A layer given another's state, 0.48-0.63 at the worst token, is the same
 # batched and alone: the canary never sees it, the load-time reference check does.)

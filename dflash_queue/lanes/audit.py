@@ -1,6 +1,6 @@
 """Audit lane: stored training shard in, verdict out. Samples of the shard are recomputed from their stored token
-ids by the checkpoint's own class, one decoder layer resident at a time (engines/streamed_reference.py), and
-compared with the states stored for them, at every stored entry (engines/reference_check.py: per token and per
+ids by the checkpoint's own class, one decoder layer resident at a time (engines/reference/streamed.py), and
+compared with the states stored for them, at every stored entry (engines/reference/check.py: per token and per
 sequence, against what the checkpoint's own class differs by in the engine's dtype, as stored).
 
 It shares nothing with the extract engines but the checkpoint, so it sees what their own checks cannot: an error the
@@ -30,8 +30,8 @@ import torch
 
 from dflash_queue.config import BrokerConfig, Config
 from dflash_queue.engines.devices import resolve_dtype
-from dflash_queue.engines.reference_check import compare_with_truth, reference_truth
-from dflash_queue.engines.streamed_reference import StreamedDecoder
+from dflash_queue.engines.reference.check import compare_with_truth, reference_truth
+from dflash_queue.engines.reference.streamed import StreamedDecoder
 from dflash_queue.lanes.config import AuditConfig
 from dflash_queue.runstate.audits import AuditRecords, StoredShard, Suspect
 from dflash_queue.runstate.ledger import resilient_client

@@ -83,7 +83,7 @@ class ExtractConfig(ExtractEngineSettings):
 
 class AuditConfig(Section):
     """The reference audit: stored samples recomputed from their stored token ids by the checkpoint's own class, one
-    decoder layer resident at a time (engines/streamed_reference.py), and compared with what was stored, off the
+    decoder layer resident at a time (engines/reference/streamed.py), and compared with what was stored, off the
     extract lane's path, by `audit` workers (host cores or a spare GPU). A mismatch stops the extract worker that
     stored the shard (exit 78) and makes every shard it stored since its last passed audit suspect: `verify`,
     `export`, the training reader and live training never serve a suspect shard as good, and `dflash-queue suspects

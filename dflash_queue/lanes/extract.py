@@ -1,6 +1,6 @@
 """Extract lane: completions shard in, training shard out (hidden states at the configured layers).
 
-The engine is the Transformers model (engines/hf_extract.py) or a vLLM engine (engines/vllm_extract.py), chosen
+The engine is the Transformers model (engines/hf/extract.py) or a vLLM engine (engines/vllm/extract.py), chosen
 by `extract.engine`; both hand over the same states, and the shard's `extraction` metadata says which made it.
 
 Keeping the engine busy while shards are stored: the extract worker runs its tasks in Celery's threads pool
@@ -42,7 +42,7 @@ from dflash_queue import faults
 from dflash_queue.config import BrokerConfig, Config
 from dflash_queue.engines.base import CapturedStates, ExtractEngine, ExtractionRequest
 from dflash_queue.engines.state_checks import CanaryTolerance, check_plausible
-from dflash_queue.engines.vllm_support import VllmExtractSettings
+from dflash_queue.engines.vllm.support import VllmExtractSettings
 from dflash_queue.errors import WindowFull, WorkerShuttingDown
 from dflash_queue.lanes.canaries import CanaryPicker, run_canary
 from dflash_queue.lanes.config import ExtractConfig
@@ -407,10 +407,10 @@ def build_extract_lane(config: Config, storage: Storage | None = None) -> Extrac
 def build_extractor(config: Config) -> ExtractEngine:
     fix_mmap_threshold()  # the process that extracts keeps one pass's buffers resident, not every pass's
     if config.extract.engine == "vllm":
-        from dflash_queue.engines.vllm_extract import VllmStateExtractor
+        from dflash_queue.engines.vllm.extract import VllmStateExtractor
 
         return VllmStateExtractor(vllm_extract_settings(config))
-    from dflash_queue.engines.hf_extract import HiddenStateExtractor
+    from dflash_queue.engines.hf.extract import HiddenStateExtractor
 
     return HiddenStateExtractor(
         config.model.path,

@@ -27,7 +27,7 @@ from dflash_queue.storage import Storage, open_storage
 from dflash_queue.storage.config import StorageConfig
 
 if TYPE_CHECKING:
-    from dflash_queue.engines.server_fingerprint import FingerprintRecord
+    from dflash_queue.engines.server.fingerprint import FingerprintRecord
     from dflash_queue.runstate.server_waits import OutageReporter
 
 
@@ -223,17 +223,17 @@ def build_generate_engine(config: Config, *, served_weights: FingerprintRecord |
     """The generate lane's engine; `served_weights`, for the inference-server engine, is where the run records its
     servers' weights fingerprint (none: the engine's first server's is the reference, as doctor checks)."""
     if config.generate.engine == "transformers":
-        from dflash_queue.engines.hf_generate import TransformersGenerateEngine
+        from dflash_queue.engines.hf.generate import TransformersGenerateEngine
 
         return TransformersGenerateEngine(
             config.model, config.generate.sampling, batch_size=config.generate.batch_size
         )
     if config.generate.engine == "vllm":
-        from dflash_queue.engines.vllm_generate import VllmGenerateEngine
+        from dflash_queue.engines.vllm.generate import VllmGenerateEngine
 
         return VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling, source=config.source)
     if config.generate.engine == "server":
-        from dflash_queue.engines.server_generate import ServedTarget, ServerGenerateEngine
+        from dflash_queue.engines.server.generate import ServedTarget, ServerGenerateEngine
 
         target = ServedTarget(config.served_model_name, config.model.tokenizer_path, config.max_model_len())
         return ServerGenerateEngine(

@@ -7,7 +7,7 @@ float32 copy), and the canary's copies of its samples. One task computes at a ti
 slots wait on the staging disk or the compute slot and hold their shard's token ids only. On a CPU the forward
 pass's activations are host memory too (`activation_bytes`, as the engine estimates them).
 
-The vLLM engine hands each finished sequence over whole (engines/vllm_extract.py): each of its
+The vLLM engine hands each finished sequence over whole (engines/vllm/extract.py): each of its
 extract.vllm.inflight_tasks computing tasks holds one sequence as read, its converted copy and its canary copies,
 and the transfer tmpfs holds about one more sequence per task, in memory too.
 

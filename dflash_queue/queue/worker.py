@@ -6,7 +6,7 @@ Pool choice: the threads pool. Tasks run in threads of this one process, so
     context it cannot use);
   * engines that start processes of their own are not inside a daemonic prefork child (daemonic processes
     may not have children). vLLM starts its engine core and GPU workers from this process, with the spawn
-    method (see engines/vllm_generate.py), so they are children of a plain process;
+    method (see engines/vllm/generate.py), so they are children of a plain process;
   * the main thread stays free for broker heartbeats and events while a long batch runs (the solo pool
     would block them and Flower would show the worker offline); task threads wait on the engine with the
     GIL released;

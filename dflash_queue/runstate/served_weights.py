@@ -1,7 +1,7 @@
 """The weights the run's inference servers run, as the run first saw them.
 
 A generate worker on inference servers (`generate.engine = "server"`) fingerprints each server's weights with a
-fixed greedy probe (engines/server_fingerprint.py). The first fingerprint any worker of the run makes is recorded
+fixed greedy probe (engines/server/fingerprint.py). The first fingerprint any worker of the run makes is recorded
 under `dfq:{run}:served_weights` (JSON: the probe's prompt ids, each greedy token with its logprob and the
 runner-up's, the server that gave it); every worker compares every server against it, so that a fleet upgraded
 halfway under one served name, or a server restarted with other weights, is refused instead of mixing two models'

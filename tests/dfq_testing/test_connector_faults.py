@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dflash_queue.engines.base import ExtractionRequest
-from dflash_queue.engines.vllm_extract import VllmStateExtractor
+from dflash_queue.engines.vllm.extract import VllmStateExtractor
 from dflash_queue.lanes.extract import vllm_extract_settings
 from dflash_queue.shards.training import DECODER_OUTPUT, FINAL_NORM, LAST_LAYER
 from dfq_testing import connector_faults
@@ -180,7 +180,7 @@ def test_environment_gives_a_subprocess_the_patch_and_without_the_variable_nothi
         "print(json.dumps({'hooked': hooked, 'other_site': os.environ.get('OTHER_SITE_RAN'),\n"
         "                  'faults_module': 'dfq_testing.connector_faults' in sys.modules}))\n"
         "if hooked:\n"
-        "    from dflash_queue.engines.vllm_states_connector import HiddenStatesConnector as C\n"
+        "    from dflash_queue.engines.vllm.states_connector import HiddenStatesConnector as C\n"
         "    print(json.dumps({'rules': getattr(C, sys.argv[1], None),\n"
         "                      'wrapped': C._gather.__wrapped__.__module__ == C.__module__}))\n"
     )
@@ -219,7 +219,7 @@ def test_the_checkpoint_comparison_of_the_load_check_refuses_each_fault_naming_i
 ):
     """What the engine's load check runs (`compare_with_checkpoint` over a batch, then `require_agreement`), on
     batches holding a faulted request: the entries the fault touched are beyond their bounds, the others are not."""
-    from dflash_queue.engines.reference_check import require_agreement
+    from dflash_queue.engines.reference.check import require_agreement
     from dflash_queue.errors import ReferenceMismatch
 
     clean = extractor.compare_with_checkpoint([requests["outside-clean"]])

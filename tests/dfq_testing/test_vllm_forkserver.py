@@ -1,6 +1,6 @@
 """vLLM's engine cores forked from a server that has imported vLLM (dfq_testing/vllm_forkserver.py): what vLLM starts
 in the context is the server's child, with vLLM imported already and the environment its starter has as it starts.
-tests/engines/test_vllm_extract.py checks an engine's processes so started."""
+tests/engines/vllm/test_vllm_extract.py checks an engine's processes so started."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The block that keeps vLLM's model in its engine core's process leaves nothing of itself behind: the environment
 as it was, vLLM's environment cache off and the garbage collector's heap unfrozen, as an engine core started in
 the calling process leaves them (EngineCore.__init__ calls enable_envs_cache and freeze_gc_heap). That an engine
-started in the block runs no model worker of its own is checked where one starts (tests/engines/test_vllm_extract.py)."""
+started in the block runs no model worker of its own is checked where one starts (tests/engines/vllm/test_vllm_extract.py)."""
 
 from __future__ import annotations
 

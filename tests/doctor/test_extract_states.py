@@ -1,6 +1,6 @@
 """`doctor`'s start of the vLLM extract engine: the comparison of its states with the checkpoint's own forward, and
 when it is left out (no weights, the Transformers engine, `--skip-engine-start`). The passing engine's line is
-checked on the engines of tests/engines/test_vllm_extract_bfloat16.py (`describe_engine`)."""
+checked on the engines of tests/engines/vllm/test_vllm_extract_bfloat16.py (`describe_engine`)."""
 
 from __future__ import annotations
 

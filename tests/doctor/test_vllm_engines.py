@@ -15,7 +15,7 @@ from dflash_queue.doctor.gpu import GIB, GpuInfo
 from dflash_queue.doctor.preflight import memory_utilization, run_doctor
 from dflash_queue.doctor.versions import check_versions
 from dflash_queue.doctor.vllm_engines import check_extract_engine, check_tensor_parallel, check_transfer_dir
-from dflash_queue.engines.vllm_support import FORCED_SETTINGS, transfer_bytes
+from dflash_queue.engines.vllm.support import FORCED_SETTINGS, transfer_bytes
 from dflash_queue.lanes.extract import vllm_extract_settings
 from dflash_queue.lanes.tensor_parallel import vllm_tensor_parallel
 from dfq_testing.configs import local_copy

@@ -9,7 +9,7 @@ from transformers import AutoConfig, BertConfig, BertForMaskedLM, T5Config
 
 from dflash_queue.doctor.model import check_architecture, check_model
 from dflash_queue.engines.architecture import profile_config
-from dflash_queue.engines.hf_extract import HiddenStateExtractor
+from dflash_queue.engines.hf.extract import HiddenStateExtractor
 from dflash_queue.errors import UnsupportedArchitecture
 
 
@@ -147,7 +147,7 @@ def test_the_probe_falls_back_to_padded_batches_when_packing_is_not_exact(tiny_f
     """A model whose packed path leaks between sequences (its windows ignored here) is caught at load."""
     from transformers import AutoModel
 
-    from dflash_queue.engines import packed_attention
+    from dflash_queue.engines.hf import packed_attention as packed_attention
 
     original = packed_attention.packed_attention
     monkeypatch.setattr(

@@ -7,7 +7,7 @@ fails the shard on the worst of the tokens that matter (the completion and past 
 whole-sample and first-token measures alone pass it even at their loosest (the bfloat16 ceiling, what a noisy
 engine calibrates to). And a shard of ordinary chat samples (one of them a conversation of two turns, each its own
 sequence) raises no alarm at the calibrated tolerance. One engine for the module; its load-time reference check is
-left to tests/engines/test_reference_check.py."""
+left to tests/engines/reference/test_reference_check.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dflash_queue.engines.state_checks import (
     TokenFocus,
     compare_states,
 )
-from dflash_queue.engines.vllm_extract import VllmStateExtractor
+from dflash_queue.engines.vllm.extract import VllmStateExtractor
 from dflash_queue.lanes.canaries import CanaryPicker
 from dflash_queue.lanes.extract import ExtractLane, extract_lane_settings, vllm_extract_settings
 from dflash_queue.shards.completions import CompletionRecord, ServedTurn, encode_completions

@@ -15,7 +15,7 @@ from transformers import (
 )
 
 from dflash_queue.engines.decoder import load_text_decoder, read_layout, spread_device_map
-from dflash_queue.engines.text_causal_lm import load_causal_lm
+from dflash_queue.engines.hf.causal_lm import load_causal_lm
 from dflash_queue.errors import UnsupportedArchitecture
 from dfq_testing.families import FAMILIES
 

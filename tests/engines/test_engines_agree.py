@@ -15,7 +15,7 @@ from dflash_queue.data.chat_template import ChatFormatter
 from dflash_queue.data.readers import read_dataset
 from dflash_queue.data.samples import Message, Sample
 from dflash_queue.engines.base import GenerationRequest
-from dflash_queue.engines.hf_generate import TransformersGenerateEngine
+from dflash_queue.engines.hf.generate import TransformersGenerateEngine
 from dflash_queue.lanes.generate import GenerateLane, generate_lane_settings
 from dflash_queue.shards.completions import decode_completions
 from dflash_queue.shards.keys import completions_key, prompts_key
@@ -81,7 +81,7 @@ def test_the_transformers_engine_keeps_only_what_the_model_produced(config, requ
 
 @pytest.fixture(scope="module")
 def vllm_engine(config, vllm_forked_engine_cores, vllm_uniproc_executor):
-    from dflash_queue.engines.vllm_generate import VllmGenerateEngine
+    from dflash_queue.engines.vllm.generate import VllmGenerateEngine
 
     engine = VllmGenerateEngine(config.model, config.generate.vllm, config.generate.sampling)
     yield engine
@@ -110,7 +110,7 @@ def spec_decode_counts() -> dict[str, float]:
 
 @pytest.mark.vllm
 def test_ngram_speculative_decoding_leaves_greedy_replies_unchanged_through_the_lane(config, vllm_engine, tmp_path):
-    from dflash_queue.engines.vllm_generate import VllmGenerateEngine
+    from dflash_queue.engines.vllm.generate import VllmGenerateEngine
 
     storage = open_storage(str(tmp_path / "storage"))
     samples = [s for s in read_dataset([SAMPLE], max_record_bytes=1 << 20) if isinstance(s, Sample)][:16]

@@ -1,7 +1,7 @@
 """Which samples the canary checks (lanes/canaries.py: drawn from the shard id, followers first, across lengths, the
 longest now and then, never more than `count` samples' states held) and which of their tokens matter (the
 completion, and past the prefix a sample shares with another). The check itself on real engines:
-tests/lanes/test_extract_checks.py, tests/engines/test_vllm_extract_bfloat16.py, tests/engines/test_canary_trained.py."""
+tests/lanes/test_extract_checks.py, tests/engines/vllm/test_vllm_extract_bfloat16.py, tests/engines/test_canary_trained.py."""
 
 from __future__ import annotations
 

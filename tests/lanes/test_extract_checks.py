@@ -133,7 +133,7 @@ def test_a_sample_whose_states_are_far_off_the_others_fails_the_task_in_bfloat16
     (where a capture of the wrong tensor would put them): its median token RMS is far off the shard's, which the
     statistics computed once, on the engine's side, show; the canary cannot (it compares the pass with the sample
     alone, both through the same code)."""
-    from dflash_queue.engines import hf_extract
+    from dflash_queue.engines.hf import extract as hf_extract
 
     config, storage, shard_id = generated(dtype="bfloat16", hidden_dtype="bfloat16", canary_samples=0)
     lane = ExtractLane(extract_lane_settings(config), build_extractor(config), storage)

@@ -225,7 +225,7 @@ def test_the_shipped_235b_config_plans_a_tensor_parallel_8_worker_per_node(tiny_
 
     from dflash_queue.config import load_config
     from dflash_queue.engines.layers import resolve_layer_ids
-    from dflash_queue.engines.vllm_support import vllm_refusal
+    from dflash_queue.engines.vllm.support import vllm_refusal
     from dfq_testing.configs import local_copy
 
     target = REPO / "examples" / "qwen3-235b-a22b-class"

@@ -95,7 +95,7 @@ def load_bench():
 def test_the_vllm_form_runs_the_connectors_own_hand_over_and_its_stored_states_are_checked(monkeypatch):
     """The connector's gather reading one slot on (a slot-mapping bug) fails the run: the bench times the production
     `StatesSender` and checks what its untimed round stored."""
-    from dflash_queue.engines.vllm_states_sender import StatesSender
+    from dflash_queue.engines.vllm.states_sender import StatesSender
 
     gather = StatesSender.gather
     monkeypatch.setattr(StatesSender, "gather", lambda self, transfer: gather(self, transfer).roll(1, 0))
@@ -106,9 +106,9 @@ def test_the_vllm_form_runs_the_connectors_own_hand_over_and_its_stored_states_a
 def test_each_round_of_each_engine_goes_through_the_production_functions(monkeypatch):
     """Every production step of both hand-overs is called once per round (the untimed first round and the two timed
     ones): a form that re-implemented one would leave its count short."""
-    import dflash_queue.engines.hf_extract as hf_extract
-    import dflash_queue.engines.vllm_states_file as states_file
-    import dflash_queue.engines.vllm_states_sender as states_sender
+    import dflash_queue.engines.hf.extract as hf_extract
+    import dflash_queue.engines.vllm.states_file as states_file
+    import dflash_queue.engines.vllm.states_sender as states_sender
     from dflash_queue.shards.training_writer import TrainingShardWriter
 
     calls: dict[str, int] = {}
@@ -130,9 +130,9 @@ def test_each_round_of_each_engine_goes_through_the_production_functions(monkeyp
     load_bench().main(SMALL)  # loaded after the patches: the names it imports are the counted functions
     rounds = 1 + 2
     assert calls == {
-        "hf_extract.finish_pass": rounds, "hf_extract.hand_over": rounds, "vllm_states_file.receive_states": rounds,
+        "extract.finish_pass": rounds, "extract.hand_over": rounds, "states_file.receive_states": rounds,
         "StatesSender.send": rounds, "StatesSender.gather": rounds, "StatesSender.write": rounds,
-        "vllm_states_sender.save_states": rounds, "TrainingShardWriter.write": 2 * rounds,
+        "states_sender.save_states": rounds, "TrainingShardWriter.write": 2 * rounds,
         "TrainingShardWriter.finish": 2 * rounds,
     }, calls
 

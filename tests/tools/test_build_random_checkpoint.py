@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer
 
 from dflash_queue.engines.base import ExtractionRequest
-from dflash_queue.engines.hf_extract import HiddenStateExtractor
+from dflash_queue.engines.hf.extract import HiddenStateExtractor
 
 REPO = Path(__file__).resolve().parent.parent.parent
 EXAMPLE = REPO / "examples" / "qwen3.6-27b-class" / "config.json"

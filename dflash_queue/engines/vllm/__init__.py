@@ -1,0 +1,1 @@
+"""The vLLM engines: generation (`generate`), and extraction through vLLM's hidden-state connector (`extract`, `states_connector`, `states_sender`, `states_file`), with their arguments, runtime and calibration."""
