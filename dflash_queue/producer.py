@@ -49,9 +49,15 @@ from dflash_queue.prompt_staging import (
     iter_encoded,
 )
 from dflash_queue.runstate.ledger import DONE, IN_PROGRESS_OR_DONE, Ledger
-from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, broker_mismatch, storage_mismatch
+from dflash_queue.runstate.run_identity import (
+    MANIFEST_KEY,
+    RunIdentity,
+    broker_mismatch,
+    storage_mismatch,
+    takeover_note,
+)
 from dflash_queue.runstate.window import ShardWindow
-from dflash_queue.shards.keys import prompts_key, stored_shard_ids
+from dflash_queue.shards.keys import COMPLETIONS, CONSUMED, EPOCHS, SHARDS, prompts_key, stored_shard_ids
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
 
@@ -91,6 +97,8 @@ class Producer:
         self.fingerprint = config.fingerprint()
         formatter = formatter or checked_formatter(config.model, config.dataset, config.source)
         self._restarted: list[str] | None = None  # what claim_run found different, once it ran
+        # What claim_run took over (output that stored nothing, made with other settings), in one line.
+        self.took_over = ""
         self.length_filter = build_length_filter(config, formatter) if length_filter is True else length_filter or None
 
     def enqueue(
@@ -110,6 +118,7 @@ class Producer:
         send = send or _send_generate
         report = EnqueueReport(rebuild=rebuild)
         report.restarted = self.claim_run(rebuild=rebuild)
+        report.took_over = self.took_over
         done = stored_shard_ids(self.storage)
         samples = iter_encoded(self.config.dataset, self.config.model, paths, report, self.length_filter)
         # Staged groups wait here, prompt files written, until the records read so far are judged fit to send.
@@ -157,31 +166,67 @@ class Producer:
 
     def claim_run(self, *, rebuild: bool = False) -> list[str]:
         """Check that the storage location and the broker's run name were made with this config, and record
-        that they are. A mismatch raises RunMismatch, except that `rebuild` starts the broker's run over: its
-        shard states and counters are reset (returns what differed; [] when nothing did). Checked once per
-        producer."""
+        that they are. A mismatch raises RunMismatch, but for output that stored nothing yet and `rebuild`:
+
+        - a storage location holding staged prompts only (no completion, no training shard), made with other
+          settings (a typo that failed the first run), is taken over: recorded as this config's, and so is the
+          broker's run that staged into it, started over (its shard states and counters reset, its waiting
+          messages dropped), unless a worker holds a message of it. `took_over` says so in one line;
+        - `rebuild` starts the broker's run over: its shard states and counters are reset.
+
+        Returns what differed in the broker's run started over ([] when nothing did). Checked once per producer."""
         if self._restarted is not None:
             return self._restarted
         mine = RunIdentity.of(self.config, self.storage.url)
         manifest_stored = self.storage.exists(MANIFEST_KEY)
+        replaced: RunIdentity | None = None
         if manifest_stored:
             stored = RunIdentity.from_json(self.storage.read_bytes(MANIFEST_KEY))
             if stored.made_otherwise(mine):
-                raise storage_mismatch(stored, mine)
+                if holds_output(self.storage):
+                    raise storage_mismatch(stored, mine)
+                replaced = stored
         recorded_text = self.ledger.claim_identity(mine.to_json())
         restarted: list[str] = []
+        broker_taken: RunIdentity | None = None
         if recorded_text is not None:
             recorded = RunIdentity.from_json(recorded_text)
             if recorded.made_otherwise(mine) or recorded.storage != mine.storage:
-                if not rebuild:
+                if self._may_take_over(recorded, mine):
+                    broker_taken = recorded
+                elif not rebuild:
                     raise broker_mismatch(self.config.run.name, recorded, mine)
-                restarted = recorded.differences(mine)
+                else:
+                    restarted = recorded.differences(mine)
                 self.ledger.reset()
                 self.ledger.replace_identity(mine.to_json())
-        if not manifest_stored:
+        if broker_taken is not None:
+            self._drop_messages_of(broker_taken)
+        taken = replaced or broker_taken
+        if taken is not None:
+            self.took_over = takeover_note(taken, mine, self.config.run.name, broker=broker_taken is not None)
+        if not manifest_stored or replaced is not None:
             self.storage.write_bytes(MANIFEST_KEY, mine.to_json().encode() + b"\n")
         self._restarted = restarted
         return restarted
+
+    def _may_take_over(self, recorded: RunIdentity, mine: RunIdentity) -> bool:
+        """Whether the broker's run made with `recorded` may be started over without --rebuild: it staged into
+        this storage location, which holds nothing made (no completion, no training shard), and no worker holds a
+        message of it (one could be writing its output now)."""
+        from dflash_queue.queue.stale_messages import taken_with
+
+        return (
+            recorded.storage == mine.storage
+            and not holds_output(self.storage)
+            and not taken_with(self.ledger.client, recorded.fingerprint)
+        )
+
+    def _drop_messages_of(self, recorded: RunIdentity) -> None:
+        from dflash_queue.lanes.registry import LANES
+        from dflash_queue.queue.stale_messages import drop_waiting
+
+        drop_waiting(self.ledger.client, [spec.queue for spec in LANES.values()], recorded.fingerprint)
 
     def _stage_group(
         self, group: list[list[EncodedSample]], done: set[str], report: EnqueueReport, pool: ThreadPoolExecutor
@@ -235,6 +280,12 @@ class Producer:
         if on_shard:
             for size in staged.sizes:
                 on_shard(size)
+
+
+def holds_output(storage: Storage) -> bool:
+    """Whether `storage` holds anything a run made: completions, training shards (of any epoch, or the records of
+    those consumed and deleted). Staged prompts and the run's record are not."""
+    return any(next(iter(storage.list(f"{prefix}/")), None) is not None for prefix in (COMPLETIONS, SHARDS, EPOCHS, CONSUMED))
 
 
 def _send_generate(shard_id: str, num_samples: int, fingerprint: str) -> None:

@@ -51,6 +51,8 @@ class EnqueueReport:
     rebuild: bool = False
     # Rebuild only: the run name had been made with another config and was started over (what differed).
     restarted: list[str] = field(default_factory=list)
+    # Output that stored nothing, made with other settings, taken over by this config (one line; "" when none).
+    took_over: str = ""
     shard_ids: list[str] = field(default_factory=list)
     # Samples per shard, of every shard of the dataset (epoch 0's shards for a live dataset).
     shard_samples: dict[str, int] = field(default_factory=dict)
@@ -91,6 +93,8 @@ class EnqueueReport:
                 f"{self.skipped_queued} already queued)"
             )
         out.append(shards)
+        if self.took_over:
+            out.append(self.took_over)
         if self.restarted:
             out.append("rebuild: the run had been made with other settings and was started over:")
             out.extend("  " + line for line in self.restarted)

@@ -5,7 +5,8 @@ only true for the settings that made them: a rerun under the same `run.name` wit
 shard "done" and send nothing, and a storage location written with other sampling would be taken as finished.
 So the producer records, before it stages anything, the run's identity (the config's output settings, whose hash
 is the fingerprint, and the storage location) in the broker and the settings in the storage root, and refuses to
-go on when either was made with something else, saying what differs.
+go on when either was made with something else, saying what differs. Output that holds nothing made yet (prompt
+shards staged by a run refused before it generated) is taken over instead, saying so (`takeover_note`).
 
 The output settings hold the digest of the checkpoint's weights (`model.weights`) where the node has them; the
 fingerprint leaves it out, since nodes without the weights take part in a run. So an identity is made otherwise
@@ -106,6 +107,23 @@ def storage_mismatch(recorded: RunIdentity, mine: RunIdentity) -> RunMismatch:
         f"({_made_with(mine, recorded)}): its shards would be taken as done. Use another output location "
         f"(-o or storage.url), or the config that made it.{_reextract_hint(recorded, mine)}\n"
         + "\n".join(f"  {line}" for line in recorded.differences(mine, storage=False))
+    )
+
+
+def takeover_note(replaced: RunIdentity, mine: RunIdentity, run_name: str, *, broker: bool) -> str:
+    """The one line that says output which stored nothing, made with `replaced`, is now `mine`'s (and `broker`: the
+    broker's run `run_name` that staged it was started over)."""
+    changes = [
+        f"{key} {_show(old, key)} -> {_show(new, key)}"
+        for key, old, new in _differing(_flatten(replaced.settings), _flatten(mine.settings))
+    ]
+    if replaced.storage != mine.storage:
+        changes.append(f"storage {replaced.storage} -> {mine.storage}")
+    what = ", ".join(changes) or f"fingerprint {replaced.fingerprint} -> {mine.fingerprint}"
+    started_over = f"; the broker's run `{run_name}` that staged them started over" if broker else ""
+    return (
+        f"took over {mine.storage}: it held staged prompts only (no completion, no training shard), made with other "
+        f"settings ({what}); recorded as yours now{started_over}"
     )
 
 

@@ -13,9 +13,10 @@ import redis
 from dflash_queue.lanes.registry import GENERATE
 from dflash_queue.producer import Producer
 from dflash_queue.queue.app import configure_app
+from dflash_queue.queue.stale_messages import fingerprint_of
 from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.runstate.run_identity import MANIFEST_KEY, RunIdentity, RunMismatch
-from dflash_queue.shards.keys import shard_key
+from dflash_queue.shards.keys import completions_key, shard_key
 from dflash_queue.storage import open_storage
 from dfq_testing.checkpoints import fine_tune
 
@@ -83,7 +84,9 @@ def test_another_checkpoint_behind_the_same_path_is_refused_and_a_node_without_t
     model = shutil.copytree(tiny_model, tmp_path / "model")
     at_model = {"model": {"path": str(model), "name": "tiny-qwen3"}}
     first = make_config(**at_model)
-    assert enqueue(first).enqueued == 7
+    report = enqueue(first)
+    assert report.enqueued == 7
+    open_storage(first.storage.url).write_bytes(shard_key(report.shard_ids[0]), b"stored")  # output made
     fine_tune(model)  # the same config.json, name and tokenizer; other weights behind model.path
 
     with pytest.raises(RunMismatch) as refused:
@@ -101,7 +104,7 @@ def test_another_checkpoint_behind_the_same_path_is_refused_and_a_node_without_t
     # A node with the config and tokenizer only has no weights to compare: the rest decides, and is the same.
     weightless = shutil.copytree(model, tmp_path / "weightless", ignore=shutil.ignore_patterns("*.safetensors"))
     again = enqueue(make_config("weightless.toml", model={"path": str(weightless), "name": "tiny-qwen3"}))
-    assert again.enqueued == 0 and again.skipped_queued == 7 and again.restarted == []
+    assert again.enqueued == 0 and again.skipped_done == 1 and again.skipped_queued == 6 and again.restarted == []
 
 
 def test_an_unchanged_rerun_is_accepted_and_skips_everything(make_config, redis_url):
@@ -140,7 +143,8 @@ def test_rebuild_starts_a_run_made_with_other_settings_over_and_every_shard_is_s
 
 
 def test_a_storage_written_with_other_settings_is_refused_under_any_run_name(make_config, redis_url):
-    enqueue(make_config())
+    report = enqueue(make_config())
+    open_storage(make_config().storage.url).write_bytes(shard_key(report.shard_ids[0]), b"stored")
     other = make_config("other.toml", run={"name": "another-run"}, **{"generate.sampling": {"temperature": 1.0}})
     with pytest.raises(RunMismatch) as refused:
         enqueue(other, rebuild=True)  # a rebuild resets a run's ledger, never somebody's storage
@@ -179,3 +183,55 @@ def test_identity_round_trips_and_names_only_what_differs(make_config, tmp_path)
         f"storage: {tmp_path / 'b'}; yours: {tmp_path / 'a'}",
     ]
     assert json.loads(mine.to_json())["fingerprint"] == config.fingerprint()
+
+
+@pytest.mark.parametrize("made", ["completions", "shard", "rebuild"])
+def test_output_holding_a_completion_or_a_shard_stays_refused_even_with_rebuild(make_config, redis_url, made):
+    first = make_config()
+    report = enqueue(first)
+    storage = open_storage(first.storage.url)
+    key = completions_key if made == "completions" else shard_key
+    storage.write_bytes(key(report.shard_ids[0]), b"stored")
+    with pytest.raises(RunMismatch, match=f"storage {storage.url} holds output made with model tiny-qwen3 and "
+                                          "generate.sampling.temperature = 0.8"):
+        enqueue(make_config("second.toml", **{"generate.sampling": {"temperature": 1.0}}), rebuild=made == "rebuild")
+    assert RunIdentity.from_json(storage.read_bytes(MANIFEST_KEY)).fingerprint == first.fingerprint()
+    assert queued(redis_url) == 7
+
+
+def test_staged_only_output_of_other_settings_is_taken_over_with_its_broker_run_and_says_so(
+    make_config, redis_url
+):
+    first = make_config()
+    before = enqueue(first)
+    assert queued(redis_url) == 7
+    second = make_config("second.toml", **{"generate.sampling": {"temperature": 1.0}})
+    report = enqueue(second)
+    storage = open_storage(second.storage.url)
+    assert report.enqueued == 7 and report.shard_ids == before.shard_ids
+    took_over = [line for line in report.lines() if line.startswith("took over")]
+    assert took_over == [
+        f"took over {storage.url}: it held staged prompts only (no completion, no training shard), made with other "
+        "settings (generate.sampling.temperature 0.8 -> 1.0); recorded as yours now; the broker's run `test` that "
+        "staged them started over"
+    ]
+    assert RunIdentity.from_json(storage.read_bytes(MANIFEST_KEY)).fingerprint == second.fingerprint()
+    # The first settings' messages are gone (a worker of the second would fail their shards): only the second's wait.
+    waiting = redis.Redis.from_url(redis_url).lrange(GENERATE.queue, 0, -1)
+    assert len(waiting) == 7 and {fingerprint_of(raw) for raw in waiting} == {second.fingerprint()}
+    assert enqueue(make_config("second-again.toml", **{"generate.sampling": {"temperature": 1.0}})).took_over == ""
+
+
+def test_a_broker_run_a_worker_is_working_on_is_not_taken_over(make_config, redis_url):
+    """A worker holds a message of the first settings: it may be writing their output now."""
+    first = make_config()
+    enqueue(first)
+    client = redis.Redis.from_url(redis_url)
+    taken = client.lpop(GENERATE.queue)
+    client.hset("unacked", "a-delivery-tag", json.dumps([json.loads(taken), "", GENERATE.queue]))
+    with pytest.raises(RunMismatch, match="this broker's run `test` was made with model tiny-qwen3 and "
+                                          "generate.sampling.temperature = 0.8"):
+        enqueue(make_config("second.toml", **{"generate.sampling": {"temperature": 1.0}}))
+    storage = open_storage(first.storage.url)
+    assert RunIdentity.from_json(storage.read_bytes(MANIFEST_KEY)).fingerprint == first.fingerprint()
+    assert queued(redis_url) == 6
