@@ -30,7 +30,14 @@ from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import CANARY_ERROR, DONE, FAILED, Ledger
 from dflash_queue.runstate.server_waits import OutageNotices, ServerWaits
 from dflash_queue.runstate.window import ShardWindow
-from dflash_queue.shards.keys import CONSUMED, SHARDS, Listable, consumed_shard_ids, shard_id_of
+from dflash_queue.shards.keys import (
+    Listable,
+    consumed_location,
+    consumed_shard_ids,
+    run_shard_keys,
+    shard_id_of,
+    shards_location,
+)
 from dflash_queue.stop_signals import stopped_by_signals
 
 
@@ -325,15 +332,15 @@ def _run_single_box(
         shards_missing=missing,
         shards_suspect=suspect,
         audit_in_use=AUDIT.in_use(config),
-        output=f"{config.storage.url.rstrip('/')}/{SHARDS}/",
+        output=shards_location(config.storage.url),
         canary_worst=canary_worst,
         shards_consumed=len((pending & consumed) - files - set(suspect)),
-        consumed_records=f"{config.storage.url.rstrip('/')}/{CONSUMED}/0/",
+        consumed_records=consumed_location(config.storage.url),
     )
 
 
 def training_shards(storage: Listable) -> tuple[set[str], set[str]]:
     """Ids of the run's training shards in storage: (those whose file is there, those consumed by training and
     deleted, of which only a record is left)."""
-    files = {shard_id_of(key) for key in storage.list(SHARDS + "/")}
+    files = {shard_id_of(key) for key in run_shard_keys(storage)}
     return files, consumed_shard_ids(storage, 0) - files

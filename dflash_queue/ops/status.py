@@ -36,6 +36,7 @@ from dflash_queue.queue.liveness import Liveness
 from dflash_queue.redaction import redact
 from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import DONE, FAILED, Ledger, WindowTotals
+from dflash_queue.runstate.redis_connect import redis_client
 from dflash_queue.runstate.server_waits import ServersDown, ServerWaits
 from dflash_queue.runstate.stopped_workers import StoppedWorker, StoppedWorkers
 from dflash_queue.shards.keys import stored_shard_ids
@@ -186,7 +187,7 @@ def collect_status(
     the whole Config: it reads the run, broker, storage and extract sections and configures the Celery app from it."""
     now = time.time() if now is None else now
     # Redis first: an unreachable broker fails here, fast, instead of inside a control broadcast that retries.
-    client = redis.Redis.from_url(config.broker.connection_url(), decode_responses=True, socket_connect_timeout=5)
+    client = redis_client(config.broker.connection_url(), decode_responses=True, socket_connect_timeout=5)
     try:
         ledger = Ledger(client, config.run.name)
         counters = ledger.counters()

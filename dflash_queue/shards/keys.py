@@ -78,9 +78,21 @@ def holds_run_output(directory_names: Iterable[str]) -> bool:
     return bool({SHARDS, COMPLETIONS} & set(directory_names))
 
 
+def holds_anything_made(storage: Listable) -> bool:
+    """Whether `storage` holds anything a run made beyond staged prompts: completions, training shards (of any
+    epoch) or records of consumed ones."""
+    return any(next(iter(storage.list(f"{prefix}/")), None) is not None for prefix in (COMPLETIONS, SHARDS, EPOCHS,
+                                                                                        CONSUMED))
+
+
 def shards_location(storage_url: str) -> str:
     """Where a run's training shards lie, for people: the run's storage URL and its shards folder."""
     return f"{storage_url.rstrip('/')}/{SHARDS}/"
+
+
+def consumed_location(storage_url: str, epoch: int = 0) -> str:
+    """Where the records of an epoch's consumed training shards lie, for people."""
+    return f"{storage_url.rstrip('/')}/{CONSUMED}/{epoch}/"
 
 
 def split_shard_path(segments: list[str]) -> tuple[list[str], int, str] | None:
