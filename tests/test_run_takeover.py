@@ -37,7 +37,11 @@ def test_a_served_model_typo_refuses_the_run_and_the_corrected_config_takes_its_
     try:
         typo = dflash_queue("run", dataset, "-c", config("typo.toml", "tiny-qwen4"), timeout=300)
         assert typo.returncode == 1, typo.stdout + typo.stderr
-        assert "serves tiny-qwen3, not tiny-qwen4 (generate.server.model)" in typo.stderr
+        error = " ".join(typo.stderr.split())
+        # The summary line quotes the worker's error whole, the reason in it, without a stray ":;".
+        assert "the generate worker exited with code 1: " in error and ":;" not in error
+        assert (f"no inference server can serve tiny-qwen4 (generate.server.urls): {server.url}: serves tiny-qwen3, "
+                "not tiny-qwen4 (generate.server.model); log ") in error
         staged = sorted(p.name for p in (output / PROMPTS).iterdir())
         assert len(staged) == 2 and not (output / SHARDS).exists()
 

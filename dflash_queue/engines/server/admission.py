@@ -135,7 +135,8 @@ def identity_problems(
     problems = []
     if target.model not in served.names:
         problems.append(f"serves {', '.join(served.names) or 'no model'}, not {target.model} (generate.server.model)")
-    if served.context_len is None:
+    # A server answers for its context under the name it serves: asked under another, it says nothing of it.
+    elif served.context_len is None:
         problems.append("does not say its context length (max_model_len from /v1/models or /tokenize)")
     elif served.context_len < target.context_len:
         problems.append(

@@ -95,11 +95,11 @@ class ServerGenerateEngine:
                 if not server.up:
                     log.error("inference server %s refused for now: %s", server.url, server.reason)
             return pool
-        reasons = "\n".join(f"  {s.url}: {s.reason}" for s in pool.servers)
         await pool.close()
-        raise ConfigError(
-            f"{self.source}: no inference server can serve {self.target.model} (generate.server.urls):\n{reasons}"
-        )
+        refused = f"{self.source}: no inference server can serve {self.target.model} (generate.server.urls)"
+        if len(pool.servers) == 1:  # one line, whole where only an error's first line is shown (a run's summary)
+            raise ConfigError(f"{refused}: {pool.servers[0].url}: {pool.servers[0].reason}")
+        raise ConfigError(refused + "".join(f"\n  {s.url}: {s.reason}" for s in pool.servers))
 
     # -- GenerateEngine --------------------------------------------------------------------------------------
 
