@@ -57,7 +57,7 @@ from dflash_queue.runstate.run_identity import (
     takeover_note,
 )
 from dflash_queue.runstate.window import ShardWindow
-from dflash_queue.shards.keys import COMPLETIONS, CONSUMED, EPOCHS, SHARDS, prompts_key, stored_shard_ids
+from dflash_queue.shards.keys import holds_anything_made, prompts_key, stored_shard_ids
 from dflash_queue.shards.prompts import encode_prompts, prompt_shard_id
 from dflash_queue.storage import Storage, open_storage
 
@@ -285,7 +285,7 @@ class Producer:
 def holds_output(storage: Storage) -> bool:
     """Whether `storage` holds anything a run made: completions, training shards (of any epoch, or the records of
     those consumed and deleted). Staged prompts and the run's record are not."""
-    return any(next(iter(storage.list(f"{prefix}/")), None) is not None for prefix in (COMPLETIONS, SHARDS, EPOCHS, CONSUMED))
+    return holds_anything_made(storage)
 
 
 def _send_generate(shard_id: str, num_samples: int, fingerprint: str) -> None:

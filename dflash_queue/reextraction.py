@@ -14,6 +14,7 @@ shard the old job had not generated is left out and reported. Shards already sto
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from dflash_queue.config import Config
 from dflash_queue.errors import ConfigError
@@ -105,6 +106,11 @@ def check_configs(old: Config, new: Config) -> None:
         raise ConfigError(
             f"{new.source}: run.name is {old.source}'s ({old.run.name!r}): the re-extraction is a job of its own in "
             "the broker; give it another run.name"
+        )
+    if Path(new.run.state_dir).resolve() == Path(old.run.state_dir).resolve():
+        raise ConfigError(
+            f"{new.source}: run.state_dir is {old.source}'s ({old.run.state_dir}): the re-extraction runs as a job of "
+            "its own (its lock, logs and private broker live there); give it another run.state_dir"
         )
     if new.fingerprint() == old.fingerprint():
         raise ConfigError(f"{new.source}: its extract settings are {old.source}'s: nothing to extract again")

@@ -260,6 +260,8 @@ def _run_single_box(
         # A run name or storage made with other settings is refused before any worker loads a model.
         producer = Producer(config, ledger, formatter=formatter)
         producer.claim_run(rebuild=rebuild)
+        if producer.took_over:
+            console.print(producer.took_over)
         before = ledger.counters()
 
         env = {**os.environ, BROKER_URL_ENV: config.broker.url, STORAGE_URL_ENV: config.storage.url}

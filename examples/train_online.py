@@ -4,9 +4,9 @@ Beside the job's `dflash-queue run` (with an empty broker.url the trainer finds 
 run stays up, extracting the later epochs, until the trainer has consumed its last one) or against workers on a
 broker.url; one process, or one per rank under torchrun (gloo on CPU, NCCL on GPUs):
 
-    dflash-queue run examples/sharegpt_sample.jsonl -c worker_configs/local-cpu.toml &
-    python examples/train_online.py -c worker_configs/local-cpu.toml --epochs 2
-    torchrun --nproc-per-node 2 examples/train_online.py -c worker_configs/local-cpu.toml --epochs 2
+    dflash-queue run examples/sharegpt_sample.jsonl -c worker_configs/local-cpu-live.toml &
+    python examples/train_online.py -c worker_configs/local-cpu-live.toml --epochs 2
+    torchrun --nproc-per-node 2 examples/train_online.py -c worker_configs/local-cpu-live.toml --epochs 2
 
 The drafter is a toy: from the target's hidden states at the K extracted layers of token t (concatenated) and the
 embedding of token t, it predicts token t + 1, with the loss on completion tokens only. A real DFlash drafter

@@ -40,7 +40,8 @@ def configs(model: Path, tmp_path: Path, max_tokens: int = 12, tag: str = "") ->
     old = write_config(tmp_path / f"job{tag}.toml", tables, dataset={"shard_size": 4, "thinking": "never"}, **sampling)
     new = write_config(
         tmp_path / f"job-last-layer{tag}.toml", tables, dataset={"shard_size": 4, "thinking": "never"}, **sampling,
-        run={"name": f"test-last-layer{tag}"}, storage={"url": str(tmp_path / f"out-last-layer{tag}")},
+        run={"name": f"test-last-layer{tag}", "state_dir": str(tmp_path / f"state-last-layer{tag}")},
+        storage={"url": str(tmp_path / f"out-last-layer{tag}")},
         extract={"last_layer_state": True},
     )
     return old, new
@@ -131,6 +132,13 @@ def test_a_reextraction_may_change_extract_settings_only_and_writes_elsewhere(ti
     )
     with pytest.raises(ConfigError, match=r"a re-extraction writes a new output"):
         check_configs(load_config(old), load_config(same_output))
+    same_state = write_config(
+        tmp_path / "same-state.toml", tables, dataset={"shard_size": 4, "thinking": "never"},
+        **{"generate.sampling": {"max_tokens": 12}}, run={"name": "x"}, storage={"url": str(tmp_path / "o3")},
+        extract={"last_layer_state": True},
+    )
+    with pytest.raises(ConfigError, match=r"run.state_dir is .*job.toml's .*give it another run.state_dir"):
+        check_configs(load_config(old), load_config(same_state))
     # A job not run: nothing to extract again.
     refused = dfq("reextract", "-c", new, "--from", old)
     assert refused.returncode == 1 and "out holds no completions: run that job first" in refused.stderr

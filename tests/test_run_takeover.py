@@ -50,6 +50,8 @@ def test_a_served_model_typo_refuses_the_run_and_the_corrected_config_takes_its_
         server.kill()
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr[-3000:]
     assert "shards:            2 done, 0 failed" in fixed.stdout
+    # run says what it took over, as enqueue does.
+    assert "it held staged prompts only (no completion, no training shard)" in fixed.stderr, fixed.stderr[-3000:]
     assert len(list((output / SHARDS).iterdir())) == 2
     assert sorted(p.name for p in (output / PROMPTS).iterdir()) == staged  # nothing deleted
     recorded = RunIdentity.from_json((output / MANIFEST_KEY).read_bytes())

@@ -57,7 +57,7 @@ def enqueue(datasets: tuple[Path, ...], config_path: Path, rebuild: bool) -> Non
                 on_total=lambda n: bar.update(task, total=n),  # known once the files are read
                 rebuild=rebuild,
             )
-        except ConfigError as exc:  # the run name or the storage was made with other settings: nothing sent
+        except ConfigError as exc:  # other settings, or a dataset refused (DatasetRefused says what was sent)
             raise click.ClickException(str(exc)) from None
     for line in report.lines():
         click.echo(line)

@@ -115,7 +115,7 @@ class Config(Section):
     def _fingerprinted_settings(self) -> dict[str, Any]:
         return {
             "model": {"name": self.model.display_name, "config": _model_config_digest(self.model.path)},
-            "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes", "staging_processes"}),
+            "dataset": self.dataset.model_dump(mode="json", exclude={"max_record_bytes", "staging_processes", "max_bad_share"}),
             "sampling": self.generate.sampling.model_dump(mode="json"),
             "quality": self.quality.model_dump(mode="json"),
             "extract": {

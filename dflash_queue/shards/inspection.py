@@ -199,7 +199,9 @@ def _check_checksum(storage: Storage, key: str, source: ByteSource, report: Shar
     report.sha256 = digest.hexdigest()
     recorded = recorded_sha256(storage, key)
     if recorded is None:
-        return Check("checksum", UNRECORDED, f"sha256 {report.sha256} (the storage recorded none to compare with)")
+        why = ("the storage recorded none for it" if callable(getattr(storage, "recorded_sha256", None)) else
+               f"local storage keeps no checksum; a {key}{SIDECAR_SUFFIX} file beside it would be compared")
+        return Check("checksum", UNRECORDED, f"sha256 {report.sha256} ({why})")
     if recorded != report.sha256:
         return Check("checksum", FAILED, f"{report.where}: sha256 {report.sha256} but the storage recorded {recorded}")
     return Check("checksum", OK, f"sha256 {report.sha256} matches the recorded one")

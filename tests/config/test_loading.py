@@ -168,6 +168,10 @@ def test_fingerprint_tracks_output_settings_not_locations(tmp_path, model_dir):
     assert moved.fingerprint() == original
     hotter = config.with_overrides(generate={"sampling": {**config.generate.sampling.model_dump(), "temperature": 1.0}})
     assert hotter.fingerprint() != original
+    # What staging tolerates and how it runs changes no sample a task writes.
+    for key, value in (("max_bad_share", 0.9), ("max_record_bytes", 1 << 20), ("staging_processes", 3)):
+        tolerant = config.with_overrides(dataset={**config.dataset.model_dump(), key: value})
+        assert tolerant.fingerprint() == original, key
     (model_dir / "config.json").write_text('{"num_hidden_layers": 8}')
     assert load_config(write(tmp_path, base(model_dir)), env={}).fingerprint() != original
 

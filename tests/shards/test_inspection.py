@@ -39,6 +39,9 @@ def test_report_of_a_whole_shard(run_copy, dtype):
         "structure": OK, "layers": OK, "loss_mask": OK, "values": OK, "audit": OK, "checksum": UNRECORDED,
     }
     assert report.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    # Local storage keeps no checksum: said so, not as if one were missing.
+    checksum = next(check.detail for check in report.checks if check.name == "checksum")
+    assert f"local storage keeps no checksum; a {key}.sha256 file beside it would be compared" in checksum
     summary = report.summary()
     lengths = [len(shard[i].input_ids) for i in range(len(shard))]
     assert summary["samples"] == 6 and summary["tokens"] == shard.num_tokens == sum(lengths)
