@@ -21,6 +21,19 @@ def foreground_job(command: list[str], *, own_group: bool = False) -> subprocess
         signal.signal(signal.SIGINT, previous)
 
 
+
+def script_background_job(command: list[str]) -> subprocess.Popen:
+    """`command` as a shell script's `command &` starts it: SIGINT (and SIGQUIT) ignored, as a shell without job
+    control leaves a background job, in a process group of its own so that signals sent to the group reach only it
+    and what stays in its group."""
+
+    def as_background() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=as_background)
+
 class TerminalJob:
     """`command` as the session leader of a terminal of its own (a pseudo-terminal), as a login shell's command is:
     closing the terminal (`hang_up`, a closed window, a dropped SSH session) sends it SIGHUP, and its writes to the

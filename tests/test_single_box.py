@@ -17,7 +17,7 @@ from dflash_queue.shards.training import TrainingShard
 from dfq_testing.configs import tiny_config_tables, write_config
 from dfq_testing.jobs import first_lines
 from dfq_testing.polling import wait_until
-from dfq_testing.terminal import TerminalJob, foreground_job
+from dfq_testing.terminal import TerminalJob, foreground_job, script_background_job
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "examples" / "sharegpt_sample.jsonl"
@@ -134,19 +134,20 @@ def sessions_members(leaders: dict[str, int]) -> dict[str, int]:
 
 
 def start_run(command: list[str], stop: signal.Signals) -> tuple[subprocess.Popen, TerminalJob | None]:
-    """The run as each stop finds it: Ctrl-C in its terminal's foreground group, a closed terminal for a hang-up,
-    else a process that `kill` and `timeout` signal."""
+    """The run as each stop finds it: for SIGINT, started in the background of a script (SIGINT ignored, which
+    the run takes back) and stopped with `kill -INT PID`; a closed terminal for a hang-up; else a process
+    that `kill` and `timeout` signal."""
     if stop == signal.SIGHUP:
         terminal = TerminalJob(command)
         return terminal.process, terminal
     if stop == signal.SIGINT:
-        return foreground_job(command, own_group=True), None
+        return script_background_job(command), None
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), None
 
 
 def test_ctrl_c_sigterm_sighup_and_sigkill_each_stop_every_process_of_the_job_and_a_rerun_finishes(tiny_model,
                                                                                                    tmp_path):
-    """Ctrl-C, `kill PID`, a closed terminal and `kill -9` in turn, mid-job: each time the running task finishes
+    """`kill -INT` (a run in a script's background), `kill PID`, a closed terminal and `kill -9` in turn, mid-job: each time the running task finishes
     against a broker still up, and every process of the job (the workers, what runs in their sessions, the private
     broker) is gone within a minute; the next run takes over, and the job ends whole."""
     command, generate_log = slow_job(tiny_model, tmp_path, 32, shard_size=4)
@@ -169,7 +170,7 @@ def test_ctrl_c_sigterm_sighup_and_sigkill_each_stop_every_process_of_the_job_an
         assert set(started) == {"redis-server", "generate worker", "extract worker"}
         job = {**started, **sessions_members(started)}
         if stop == signal.SIGINT:
-            os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal
+            os.kill(process.pid, signal.SIGINT)  # kill -INT $run, as docs/live-training.md stops its background run
         elif terminal:
             terminal.hang_up()
         else:

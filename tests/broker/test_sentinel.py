@@ -14,12 +14,11 @@ import redis
 from dflash_queue.doctor.broker import check_broker
 from dflash_queue.lanes.registry import FIRST_LANE
 from dflash_queue.producer import Producer
-from dflash_queue.queue.app import configure_app
 from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.keys import stored_shard_ids
 from dflash_queue.storage import open_storage
 from dfq_testing.commands import dflash_queue
-from dfq_testing.jobs import first_lines
+from dfq_testing.jobs import connect, first_lines
 from dfq_testing.polling import wait_until
 from dfq_testing.sentinel import MASTER_NAME, SentinelGroup
 
@@ -53,7 +52,7 @@ def test_a_job_survives_its_primary_being_killed(sentinel_group, make_config, st
     assert doctor["broker sentinels"] == f"pass: 3 of 3 sentinels know master '{MASTER_NAME}'; the primary has 1 " \
                                          "connected replica(s)"
 
-    configure_app(config)
+    connect(config)  # the app's pools may hold connections to an earlier test's broker
     workers = [start_worker(config, "generate"), start_worker(config, "extract")]
     ledger = Ledger.from_url(url, config.run.name)
     lines = first_lines(SAMPLE, 20, tmp_path / "all.jsonl").read_text().splitlines(keepends=True)
