@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 
 import redis
-from kombu.transport.redis import PRIORITY_STEPS, Channel
+from kombu.transport.redis import Channel
 
 from dflash_queue.config import Config, StorageConfig
 from dflash_queue.deadletters import DeadLetters
@@ -33,6 +33,7 @@ from dflash_queue.lanes.registry import FINAL_LANE, FIRST_LANE, LANES, PIPELINE,
 from dflash_queue.ops.audit_status import AuditStatus, audit_in_use, collect_audit
 from dflash_queue.ops.live_status import LiveStatus, collect_live
 from dflash_queue.queue.liveness import Liveness
+from dflash_queue.queue.messages import queue_lists
 from dflash_queue.redaction import redact
 from dflash_queue.runstate.audits import AuditRecords
 from dflash_queue.runstate.ledger import DONE, FAILED, Ledger, WindowTotals
@@ -122,8 +123,8 @@ class RunStatus:
 def queue_depth(client: redis.Redis, queue: str) -> int:
     """Messages waiting in a kombu Redis queue, over all its priority sub-queues."""
     pipe = client.pipeline(transaction=False)
-    for priority in PRIORITY_STEPS:
-        pipe.llen(f"{queue}{Channel.sep}{priority}" if priority else queue)
+    for name in queue_lists(queue):
+        pipe.llen(name)
     return sum(pipe.execute())
 
 

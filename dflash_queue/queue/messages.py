@@ -15,8 +15,14 @@ from kombu.transport.redis import Channel
 PRIORITY_STEPS = Channel.priority_steps
 
 
-def shard_of_message(raw: str | bytes) -> str | None:
-    """The shard id (first argument) of a Celery task message as kombu keeps it in Redis; None if unreadable."""
+def queue_lists(queue: str) -> list[str]:
+    """The Redis lists kombu keeps `queue`'s waiting messages in, one per priority step."""
+    return [f"{queue}{Channel.sep}{priority}" if priority else queue for priority in PRIORITY_STEPS]
+
+
+def task_args(raw: str | bytes) -> list[Any] | None:
+    """The positional arguments of a Celery task message as kombu keeps it in Redis (waiting in a list, or an
+    unacked entry); None if unreadable."""
     try:
         payload = json.loads(raw)
         if isinstance(payload, list):  # an unacked entry: [message, exchange, routing key]
@@ -25,9 +31,15 @@ def shard_of_message(raw: str | bytes) -> str | None:
         if payload.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         args = json.loads(body)[0]
-        return str(args[0]) if args else None
     except (ValueError, KeyError, IndexError, TypeError):
         return None
+    return args if isinstance(args, list) else None
+
+
+def shard_of_message(raw: str | bytes) -> str | None:
+    """The shard id (first argument) of a lane task message as kombu keeps it in Redis; None if unreadable."""
+    args = task_args(raw)
+    return str(args[0]) if args else None
 
 
 def message_places(client: Any, queues: Iterable[str]) -> dict[str, str]:
@@ -42,8 +54,7 @@ def message_places(client: Any, queues: Iterable[str]) -> dict[str, str]:
         if shard_id:
             places[shard_id] = f"taken by a worker ({routing_key} lane)"
     for queue in queues:
-        for priority in PRIORITY_STEPS:
-            name = f"{queue}{Channel.sep}{priority}" if priority else queue
+        for name in queue_lists(queue):
             for raw in client.lrange(name, 0, -1):
                 shard_id = shard_of_message(raw)
                 if shard_id:
@@ -53,9 +64,7 @@ def message_places(client: Any, queues: Iterable[str]) -> dict[str, str]:
 
 def messages_in(client: Any, queue: str) -> int:
     """Messages of `queue` not yet done: waiting in it, or taken by a worker and not yet acknowledged."""
-    waiting = sum(
-        client.llen(f"{queue}{Channel.sep}{priority}" if priority else queue) for priority in PRIORITY_STEPS
-    )
+    waiting = sum(client.llen(name) for name in queue_lists(queue))
     taken = 0
     for raw in client.hvals(Channel.unacked_key):
         try:

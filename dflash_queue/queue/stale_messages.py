@@ -4,30 +4,18 @@ behind, which a worker of the new settings would refuse for good and fail its sh
 
 from __future__ import annotations
 
-import base64
-import json
 from collections.abc import Iterable
 from typing import Any
 
 from kombu.transport.redis import Channel
 
-# kombu's priority sub-queues of a queue ("queue", "queue\x06\x163", ...).
-PRIORITY_STEPS = Channel.priority_steps
+from dflash_queue.queue.messages import queue_lists, task_args
 
 
 def fingerprint_of(raw: str | bytes) -> str | None:
     """The fingerprint (third argument) of a lane task message as kombu keeps it; None if unreadable."""
-    try:
-        payload = json.loads(raw)
-        if isinstance(payload, list):  # an unacked entry: [message, exchange, routing key]
-            payload = payload[0]
-        body = payload["body"]
-        if payload.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        args = json.loads(body)[0]
-        return str(args[2]) if len(args) > 2 else None
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
+    args = task_args(raw)
+    return str(args[2]) if args is not None and len(args) > 2 else None
 
 
 def taken_with(client: Any, fingerprint: str) -> int:
@@ -39,8 +27,7 @@ def drop_waiting(client: Any, queues: Iterable[str], fingerprint: str) -> int:
     """Remove the messages of `fingerprint` waiting in `queues`; returns how many were removed."""
     dropped = 0
     for queue in queues:
-        for priority in PRIORITY_STEPS:
-            name = f"{queue}{Channel.sep}{priority}" if priority else queue
+        for name in queue_lists(queue):
             for raw in client.lrange(name, 0, -1):
                 if fingerprint_of(raw) == fingerprint:
                     dropped += client.lrem(name, 1, raw)
