@@ -3,28 +3,11 @@ with."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import redis
 
 from dflash_queue.config import BROKER_URL_ENV, PASSWORD_ENV, PASSWORD_FILE_ENV, load_config
 from dflash_queue.errors import ConfigError
-from dfq_testing.configs import to_toml
-
-
-@pytest.fixture
-def write(tmp_path: Path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"num_hidden_layers": 4}')
-
-    def write(broker: dict) -> Path:
-        path = tmp_path / "deploy.toml"
-        path.write_text(to_toml({"storage": {"url": "out"}, "model": {"path": str(model)}, "broker": broker}))
-        return path
-
-    return write
 
 
 def test_the_password_comes_from_the_environment_then_a_file(write, tmp_path):

@@ -3,8 +3,6 @@ sentinels' password, and what clients and Celery connect with."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from dflash_queue.config import PASSWORD_ENV, load_config
@@ -12,23 +10,10 @@ from dflash_queue.errors import ConfigError
 from dflash_queue.queue.app import celery_settings
 from dflash_queue.queue.config import SENTINEL_PASSWORD_ENV, SENTINEL_PASSWORD_FILE_ENV
 from dflash_queue.runstate.redis_connect import parse_sentinel_url
-from dfq_testing.configs import to_toml
 
 SENTINELS = "sentinel://10.0.0.1:26379;sentinel://10.0.0.2:26380;sentinel://[fd00::3]:26379/2"
 
 
-@pytest.fixture
-def write(tmp_path: Path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"num_hidden_layers": 4}')
-
-    def write(broker: dict) -> Path:
-        path = tmp_path / "deploy.toml"
-        path.write_text(to_toml({"storage": {"url": "out"}, "model": {"path": str(model)}, "broker": broker}))
-        return path
-
-    return write
 
 
 def test_the_connection_url_carries_every_sentinel_the_master_and_both_passwords(write):
