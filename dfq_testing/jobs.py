@@ -44,7 +44,11 @@ def dataset_ids(dataset: Path) -> set[str]:
 
 def connect(config: Config) -> Celery:
     """Point the Celery app at `config`'s broker, dropping connections pooled for another broker."""
-    app = configure_app(config)
+    return drop_pooled_connections(configure_app(config))
+
+
+def drop_pooled_connections(app: Celery) -> Celery:
+    """Forget the connections `app` pooled: the next use connects to the broker its settings name now."""
     pools.reset()  # closes every pooled connection and empties kombu's pool registry
     app._pool = None
     amqp = app.__dict__.get("amqp")

@@ -18,7 +18,7 @@ from dflash_queue.runstate.ledger import DONE, Ledger
 from dflash_queue.shards.keys import stored_shard_ids
 from dflash_queue.storage import open_storage
 from dfq_testing.commands import dflash_queue
-from dfq_testing.jobs import connect, first_lines
+from dfq_testing.jobs import connect, drop_pooled_connections, first_lines
 from dfq_testing.polling import wait_until
 from dfq_testing.sentinel import MASTER_NAME, SentinelGroup
 
@@ -40,7 +40,18 @@ def checks_by_name(url: str) -> dict[str, str]:
     return {check.name: f"{check.verdict}: {check.detail}" for check in check_broker(url, timeout_s=2)}
 
 
-def test_a_job_survives_its_primary_being_killed(sentinel_group, make_config, start_worker, tmp_path):
+@pytest.fixture
+def app_left_unbound():
+    """The app's pools hold connections through the sentinels, gone after this test: the next test in this process
+    connects afresh."""
+    yield
+    from dflash_queue.queue.app import app
+
+    drop_pooled_connections(app)
+
+
+def test_a_job_survives_its_primary_being_killed(sentinel_group, make_config, start_worker, tmp_path,
+                                                  app_left_unbound):
     config = make_config(
         broker={"url": sentinel_group.url, "sentinel_master": MASTER_NAME},
         dataset={"shard_size": 4, "thinking": "never"},
